@@ -1,0 +1,307 @@
+#include "checks.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+namespace specdec {
+namespace {
+
+bool is_index_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
+}
+
+bool is_attn_dtype(at::ScalarType s) {
+  return s == at::kFloat || s == at::kHalf || s == at::kBFloat16;
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(is_index_dtype(t), name, " must be an int32 or int64 tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+}
+
+void check_float_param(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name,
+              " must be a floating point tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+}
+
+void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected,
+                const char* what) {
+  TORCH_CHECK(t.size(dim) == expected, name, ".size(", dim, ") must equal ", what, " (",
+              expected, "), got ", t.size(dim), " (shape ", t.sizes(), ")");
+}
+
+void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* ref_name,
+                       const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on the same device as ", ref_name,
+              " (", ref.device(), "), got ", t.device());
+}
+
+// Host-side int32 view of a (small) index tensor, for value checks.
+at::Tensor host_index(const at::Tensor& t) { return t.to(at::kCPU).to(at::kInt).contiguous(); }
+at::Tensor host_float(const at::Tensor& t) { return t.to(at::kCPU).to(at::kFloat).contiguous(); }
+
+// num_nodes in [1, T], parents[b, 0] == -1, 0 <= parents[b, i] < i for 1 <= i < num_nodes[b].
+void check_tree_values(const at::Tensor& parents, const at::Tensor& num_nodes) {
+  const at::Tensor p = host_index(parents), n = host_index(num_nodes);
+  const int64_t B = p.size(0), T = p.size(1);
+  const int32_t* pp = p.data_ptr<int32_t>();
+  const int32_t* np = n.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(np[b] >= 1 && np[b] <= T, "num_nodes[", b, "] = ", np[b],
+                " is out of range [1, T = ", T, "]");
+    TORCH_CHECK(pp[b * T] == -1, "parents[", b, ", 0] must be -1 (node 0 is the root), got ",
+                pp[b * T]);
+    for (int64_t i = 1; i < np[b]; ++i) {
+      const int32_t par = pp[b * T + i];
+      TORCH_CHECK(par >= 0 && par < i, "parents[", b, ", ", i, "] = ", par,
+                  " must satisfy 0 <= parent < ", i,
+                  " (nodes in topological order, parent before child)");
+    }
+  }
+}
+
+// Every logical block that positions [0, end_b) of request b touch is a valid block id.
+void check_block_table_values(const at::Tensor& block_table, const at::Tensor& ends,
+                              int64_t num_blocks, int64_t block_size, const char* end_what) {
+  const at::Tensor bt = host_index(block_table);
+  const int64_t B = bt.size(0), max_blocks = bt.size(1);
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int64_t* ep = ends.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = (ep[b] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= max_blocks, end_what, " of request ", b, " reaches position ", ep[b],
+                ", beyond the ", max_blocks * block_size, " positions its block_table row owns (",
+                max_blocks, " blocks of ", block_size, ")");
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t blk = btp[b * max_blocks + j];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk,
+                  " is out of range [0, num_blocks = ", num_blocks, ")");
+    }
+  }
+}
+
+}  // namespace
+
+bool should_check_values(const at::Tensor& t) {
+  if (t.device().is_cpu()) return true;
+  static const bool enabled = [] {
+    const char* v = std::getenv("SPECDEC_VALIDATE");
+    return v != nullptr && std::strcmp(v, "0") != 0 && std::strlen(v) > 0;
+  }();
+  return enabled;
+}
+
+at::Tensor as_index(const at::Tensor& t) { return t.to(at::kInt).contiguous(); }
+at::Tensor as_float(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+void check_build_tree_mask(const at::Tensor& parents, const at::Tensor& num_nodes, bool values) {
+  check_index(parents, "parents", 2);
+  check_index(num_nodes, "num_nodes", 1);
+  check_same_device(parents, num_nodes, "parents", "num_nodes");
+  TORCH_CHECK(parents.size(1) >= 1, "parents must have at least one node (T >= 1), got shape ",
+              parents.sizes());
+  check_size(num_nodes, "num_nodes", 0, parents.size(0), "the batch size B of parents");
+  if (values) check_tree_values(parents, num_nodes);
+}
+
+void check_tree_verify(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_table, const at::Tensor& cache_lens,
+                       const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale,
+                       bool values) {
+  TORCH_CHECK(q.dim() == 4, "q must be [B, T, Hq, D], got shape ", q.sizes());
+  TORCH_CHECK(is_attn_dtype(q.scalar_type()), "q must be float32, float16 or bfloat16, got ",
+              q.scalar_type());
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, Hkv, D], got shape ",
+              k_cache.sizes());
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "k_cache dtype (", k_cache.scalar_type(),
+              ") must match q dtype (", q.scalar_type(), ")");
+  TORCH_CHECK(v_cache.scalar_type() == q.scalar_type(), "v_cache dtype (", v_cache.scalar_type(),
+              ") must match q dtype (", q.scalar_type(), ")");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", v_cache.sizes(),
+              " must equal k_cache shape ", k_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous(), "k_cache must be contiguous");
+  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k_cache.size(2);
+  TORCH_CHECK(B >= 1 && T >= 1, "q must have B >= 1 and T >= 1, got shape ", q.sizes());
+  TORCH_CHECK(D >= 1, "q head dim D must be >= 1, got shape ", q.sizes());
+  check_size(k_cache, "k_cache", 3, D, "the head dim D of q");
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "the number of query heads Hq (", Hq,
+              ") must be a multiple of the number of KV heads Hkv (", Hkv, ")");
+  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1,
+              "k_cache must have num_blocks >= 1 and block_size >= 1, got shape ",
+              k_cache.sizes());
+  check_index(block_table, "block_table", 2);
+  check_index(cache_lens, "cache_lens", 1);
+  check_index(num_nodes, "num_nodes", 1);
+  check_size(block_table, "block_table", 0, B, "the batch size B of q");
+  check_size(cache_lens, "cache_lens", 0, B, "the batch size B of q");
+  check_size(num_nodes, "num_nodes", 0, B, "the batch size B of q");
+  TORCH_CHECK(tree_mask.scalar_type() == at::kLong, "tree_mask must be int64, got ",
+              tree_mask.scalar_type());
+  TORCH_CHECK(tree_mask.dim() == 3, "tree_mask must be [B, T, ceil(T/64)], got shape ",
+              tree_mask.sizes());
+  check_size(tree_mask, "tree_mask", 0, B, "the batch size B of q");
+  check_size(tree_mask, "tree_mask", 1, T, "the tree size T of q");
+  check_size(tree_mask, "tree_mask", 2, (T + 63) / 64, "ceil(T / 64)");
+  TORCH_CHECK(std::isfinite(sm_scale), "sm_scale must be finite, got ", sm_scale);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
+                                {v_cache, "v_cache"},
+                                {block_table, "block_table"},
+                                {cache_lens, "cache_lens"},
+                                {num_nodes, "num_nodes"},
+                                {tree_mask, "tree_mask"}}) {
+    check_same_device(q, t, "q", name);
+  }
+  if (!values) return;
+  const at::Tensor n = host_index(num_nodes), c = host_index(cache_lens);
+  at::Tensor ends = at::empty({B}, at::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t nb = n.data_ptr<int32_t>()[b], cb = c.data_ptr<int32_t>()[b];
+    TORCH_CHECK(nb >= 1 && nb <= T, "num_nodes[", b, "] = ", nb, " is out of range [1, T = ", T,
+                "]");
+    TORCH_CHECK(cb >= 0, "cache_lens[", b, "] = ", cb, " must be >= 0");
+    ends.data_ptr<int64_t>()[b] = int64_t(cb) + nb;
+  }
+  check_block_table_values(block_table, ends, k_cache.size(0), k_cache.size(1),
+                           "cache_lens + num_nodes");
+}
+
+void check_tree_rejection_sample(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                                 const at::Tensor& parents, const at::Tensor& num_nodes,
+                                 const std::optional<at::Tensor>& draft_probs,
+                                 const at::Tensor& temperature, const at::Tensor& top_k,
+                                 const at::Tensor& top_p, const at::Tensor& uniforms,
+                                 bool values) {
+  TORCH_CHECK(target_logits.dim() == 3, "target_logits must be [B, T, V], got shape ",
+              target_logits.sizes());
+  TORCH_CHECK(is_attn_dtype(target_logits.scalar_type()),
+              "target_logits must be float32, float16 or bfloat16, got ",
+              target_logits.scalar_type());
+  const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
+  TORCH_CHECK(B >= 1 && T >= 1 && V >= 1, "target_logits must have B, T, V >= 1, got shape ",
+              target_logits.sizes());
+  TORCH_CHECK(V < (int64_t(1) << 31), "vocabulary size V must fit in int32, got ", V);
+  check_index(draft_tokens, "draft_tokens", 2);
+  check_size(draft_tokens, "draft_tokens", 0, B, "the batch size B of target_logits");
+  check_size(draft_tokens, "draft_tokens", 1, T, "the tree size T of target_logits");
+  check_build_tree_mask(parents, num_nodes, false);
+  check_size(parents, "parents", 0, B, "the batch size B of target_logits");
+  check_size(parents, "parents", 1, T, "the tree size T of target_logits");
+  if (draft_probs.has_value()) {
+    const at::Tensor& dp = *draft_probs;
+    TORCH_CHECK(dp.dim() == 3, "draft_probs must be [B, T, V], got shape ", dp.sizes());
+    TORCH_CHECK(at::isFloatingType(dp.scalar_type()),
+                "draft_probs must be a floating point tensor, got ", dp.scalar_type());
+    TORCH_CHECK(dp.sizes() == target_logits.sizes(), "draft_probs shape ", dp.sizes(),
+                " must equal target_logits shape ", target_logits.sizes());
+    check_same_device(target_logits, dp, "target_logits", "draft_probs");
+  }
+  check_float_param(temperature, "temperature", 1);
+  check_index(top_k, "top_k", 1);
+  check_float_param(top_p, "top_p", 1);
+  check_float_param(uniforms, "uniforms", 2);
+  check_size(temperature, "temperature", 0, B, "the batch size B of target_logits");
+  check_size(top_k, "top_k", 0, B, "the batch size B of target_logits");
+  check_size(top_p, "top_p", 0, B, "the batch size B of target_logits");
+  check_size(uniforms, "uniforms", 0, B, "the batch size B of target_logits");
+  check_size(uniforms, "uniforms", 1, T + 1, "T + 1");
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{draft_tokens, "draft_tokens"},
+        {parents, "parents"},
+        {num_nodes, "num_nodes"},
+        {temperature, "temperature"},
+        {top_k, "top_k"},
+        {top_p, "top_p"},
+        {uniforms, "uniforms"}}) {
+    check_same_device(target_logits, t, "target_logits", name);
+  }
+  if (!values) return;
+  check_tree_values(parents, num_nodes);
+  const at::Tensor tok = host_index(draft_tokens), n = host_index(num_nodes);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 1; i < n.data_ptr<int32_t>()[b]; ++i) {
+      const int32_t x = tok.data_ptr<int32_t>()[b * T + i];
+      TORCH_CHECK(x >= 0 && x < V, "draft_tokens[", b, ", ", i, "] = ", x,
+                  " is out of range [0, V = ", V, ")");
+    }
+  }
+  const at::Tensor temp = host_float(temperature), tp = host_float(top_p);
+  const at::Tensor tk = host_index(top_k);
+  for (int64_t b = 0; b < B; ++b) {
+    const float t = temp.data_ptr<float>()[b], p = tp.data_ptr<float>()[b];
+    TORCH_CHECK(std::isfinite(t) && t >= 0.f, "temperature[", b, "] = ", t,
+                " must be finite and >= 0 (0 means greedy)");
+    TORCH_CHECK(tk.data_ptr<int32_t>()[b] >= 0, "top_k[", b, "] = ", tk.data_ptr<int32_t>()[b],
+                " must be >= 0 (0 disables top-k)");
+    TORCH_CHECK(p > 0.f && p <= 1.f, "top_p[", b, "] = ", p,
+                " must be in (0, 1] (1 disables top-p)");
+  }
+  const at::Tensor u = uniforms.to(at::kCPU).to(at::kDouble).contiguous();
+  const double* up = u.data_ptr<double>();
+  for (int64_t i = 0; i < u.numel(); ++i) {
+    TORCH_CHECK(up[i] >= 0.0 && up[i] < 1.0, "uniforms[", i / (T + 1), ", ", i % (T + 1),
+                "] = ", up[i], " must be in [0, 1)");
+  }
+}
+
+void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_table, const at::Tensor& cache_lens,
+                      const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
+                      bool values) {
+  TORCH_CHECK(k_cache.dim() == 4 || k_cache.dim() == 5,
+              "k_cache must be [num_blocks, block_size, Hkv, D] or "
+              "[L, num_blocks, block_size, Hkv, D], got shape ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", v_cache.sizes(),
+              " must equal k_cache shape ", k_cache.sizes());
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache dtype (",
+              v_cache.scalar_type(), ") must match k_cache dtype (", k_cache.scalar_type(), ")");
+  TORCH_CHECK(k_cache.is_contiguous(), "k_cache must be contiguous");
+  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  TORCH_CHECK(!k_cache.is_same(v_cache), "k_cache and v_cache must be different tensors");
+  check_index(block_table, "block_table", 2);
+  check_index(cache_lens, "cache_lens", 1);
+  check_index(accepted_nodes, "accepted_nodes", 2);
+  check_index(num_accepted, "num_accepted", 1);
+  const int64_t B = block_table.size(0), T = accepted_nodes.size(1);
+  TORCH_CHECK(T >= 1, "accepted_nodes must have at least one column, got shape ",
+              accepted_nodes.sizes());
+  check_size(cache_lens, "cache_lens", 0, B, "the batch size B of block_table");
+  check_size(accepted_nodes, "accepted_nodes", 0, B, "the batch size B of block_table");
+  check_size(num_accepted, "num_accepted", 0, B, "the batch size B of block_table");
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"},
+        {block_table, "block_table"},
+        {cache_lens, "cache_lens"},
+        {accepted_nodes, "accepted_nodes"},
+        {num_accepted, "num_accepted"}}) {
+    check_same_device(k_cache, t, "k_cache", name);
+  }
+  if (!values) return;
+  const at::Tensor a = host_index(accepted_nodes), na = host_index(num_accepted);
+  const at::Tensor c = host_index(cache_lens);
+  at::Tensor ends = at::empty({B}, at::kLong);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t nb = na.data_ptr<int32_t>()[b], cb = c.data_ptr<int32_t>()[b];
+    const int32_t* ap = a.data_ptr<int32_t>() + b * T;
+    TORCH_CHECK(nb >= 0 && nb < T, "num_accepted[", b, "] = ", nb, " is out of range [0, T - 1 = ",
+                T - 1, "]");
+    TORCH_CHECK(cb >= 0, "cache_lens[", b, "] = ", cb, " must be >= 0");
+    TORCH_CHECK(ap[0] == 0, "accepted_nodes[", b, ", 0] must be 0 (the root), got ", ap[0]);
+    for (int64_t k = 1; k <= nb; ++k) {
+      TORCH_CHECK(ap[k] > ap[k - 1] && ap[k] < T, "accepted_nodes[", b, ", ", k, "] = ", ap[k],
+                  " is not a valid root path: node ids must increase along the path and stay "
+                  "below T = ",
+                  T);
+    }
+    ends.data_ptr<int64_t>()[b] = int64_t(cb) + ap[nb] + 1;
+  }
+  const int64_t nd = k_cache.dim();
+  check_block_table_values(block_table, ends, k_cache.size(nd - 4), k_cache.size(nd - 3),
+                           "cache_lens + accepted_nodes");
+}
+
+}  // namespace specdec

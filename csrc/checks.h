@@ -1,0 +1,45 @@
+// Input validation shared by every backend (CPU, CUDA, Triton via the _check_* ops).
+//
+// Each check_<op> verifies ranks, shapes, dtypes and devices (never reads data,
+// so it also runs under the Meta / fake kernels). When `values` is true it also
+// reads the small index tensors (and, for the CPU kernels, logits are checked
+// while they are read) to reject trees, paths and block tables that would make a
+// kernel read or write out of bounds. Values are checked on CPU tensors always;
+// on CUDA only when SPECDEC_VALIDATE=1, because reading them needs a host sync
+// (GPU kernels bound every index they dereference, so unchecked bad values give
+// wrong numbers, never an out-of-bounds access).
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+
+namespace specdec {
+
+// True when data-dependent checks should run for tensors on `t`'s device.
+bool should_check_values(const at::Tensor& t);
+
+// Contiguous int32 copy (or the tensor itself) of an integer index tensor.
+at::Tensor as_index(const at::Tensor& t);
+// Contiguous float32 copy (or the tensor itself) of a float parameter tensor.
+at::Tensor as_float(const at::Tensor& t);
+
+void check_build_tree_mask(const at::Tensor& parents, const at::Tensor& num_nodes, bool values);
+
+void check_tree_verify(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_table, const at::Tensor& cache_lens,
+                       const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale,
+                       bool values);
+
+void check_tree_rejection_sample(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                                 const at::Tensor& parents, const at::Tensor& num_nodes,
+                                 const std::optional<at::Tensor>& draft_probs,
+                                 const at::Tensor& temperature, const at::Tensor& top_k,
+                                 const at::Tensor& top_p, const at::Tensor& uniforms, bool values);
+
+void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_table, const at::Tensor& cache_lens,
+                      const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
+                      bool values);
+
+}  // namespace specdec

@@ -1,0 +1,194 @@
+// The torch.ops.specdec contract: op schemas and their per-dispatch-key registrations.
+//
+// This file is the one place the op contract is written in C++ (the README documents
+// it for users). Every registered implementation runs the shared checks of checks.h
+// and normalises index / parameter dtypes before handing contiguous tensors to the
+// backend kernels declared in ops.h.
+#include <torch/library.h>
+
+#include "checks.h"
+#include "ops.h"
+
+namespace specdec {
+namespace {
+
+// ---- build_tree_mask ----
+std::tuple<at::Tensor, at::Tensor> build_tree_mask_meta(const at::Tensor& parents,
+                                                        const at::Tensor& num_nodes) {
+  check_build_tree_mask(parents, num_nodes, false);
+  const int64_t B = parents.size(0), T = parents.size(1);
+  return {at::empty({B, T, (T + 63) / 64}, parents.options().dtype(at::kLong)),
+          at::empty({B, T}, parents.options().dtype(at::kInt))};
+}
+
+template <auto Kernel>
+std::tuple<at::Tensor, at::Tensor> build_tree_mask_impl(const at::Tensor& parents,
+                                                        const at::Tensor& num_nodes) {
+  check_build_tree_mask(parents, num_nodes, should_check_values(parents));
+  return Kernel(as_index(parents), as_index(num_nodes));
+}
+
+// ---- tree_verify ----
+at::Tensor tree_verify_meta(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                            const at::Tensor& tree_mask, double sm_scale) {
+  check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
+                    false);
+  return at::empty(q.sizes(), q.options());
+}
+
+template <auto Kernel>
+at::Tensor tree_verify_impl(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                            const at::Tensor& tree_mask, double sm_scale) {
+  check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
+                    should_check_values(q));
+  return Kernel(q.contiguous(), k_cache, v_cache, as_index(block_table), as_index(cache_lens),
+                as_index(num_nodes), tree_mask.contiguous(), sm_scale);
+}
+
+// ---- tree_rejection_sample ----
+using SampleOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+SampleOut tree_rejection_sample_meta(const at::Tensor& target_logits,
+                                     const at::Tensor& draft_tokens, const at::Tensor& parents,
+                                     const at::Tensor& num_nodes,
+                                     const std::optional<at::Tensor>& draft_probs,
+                                     const at::Tensor& temperature, const at::Tensor& top_k,
+                                     const at::Tensor& top_p, const at::Tensor& uniforms) {
+  check_tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft_probs,
+                              temperature, top_k, top_p, uniforms, false);
+  const int64_t B = target_logits.size(0), T = target_logits.size(1);
+  const auto opts = target_logits.options().dtype(at::kInt);
+  return {at::empty({B, T}, opts), at::empty({B}, opts), at::empty({B, T}, opts)};
+}
+
+template <auto Kernel>
+SampleOut tree_rejection_sample_impl(const at::Tensor& target_logits,
+                                     const at::Tensor& draft_tokens, const at::Tensor& parents,
+                                     const at::Tensor& num_nodes,
+                                     const std::optional<at::Tensor>& draft_probs,
+                                     const at::Tensor& temperature, const at::Tensor& top_k,
+                                     const at::Tensor& top_p, const at::Tensor& uniforms) {
+  check_tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft_probs,
+                              temperature, top_k, top_p, uniforms,
+                              should_check_values(target_logits));
+  std::optional<at::Tensor> dp;
+  if (draft_probs.has_value()) dp = draft_probs->contiguous();
+  return Kernel(target_logits.contiguous(), as_index(draft_tokens), as_index(parents),
+                as_index(num_nodes), dp, as_float(temperature), as_index(top_k), as_float(top_p),
+                as_float(uniforms));
+}
+
+// ---- compact_kv ----
+void compact_kv_meta(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,
+                     const at::Tensor& num_accepted) {
+  check_compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted, false);
+}
+
+template <auto Kernel>
+void compact_kv_impl(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,
+                     const at::Tensor& num_accepted) {
+  check_compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted,
+                   should_check_values(k_cache));
+  // A single-layer cache is the L = 1 case; the view aliases the caller's storage.
+  at::Tensor k = k_cache.dim() == 4 ? k_cache.unsqueeze(0) : k_cache;
+  at::Tensor v = v_cache.dim() == 4 ? v_cache.unsqueeze(0) : v_cache;
+  Kernel(k, v, as_index(block_table), as_index(cache_lens), as_index(accepted_nodes),
+         as_index(num_accepted));
+}
+
+// ---- _check_* : the same validation for backends that live outside C++ (Triton) ----
+void check_build_tree_mask_op(const at::Tensor& parents, const at::Tensor& num_nodes) {
+  check_build_tree_mask(parents, num_nodes, should_check_values(parents));
+}
+
+void check_tree_verify_op(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_table,
+                          const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                          const at::Tensor& tree_mask, double sm_scale) {
+  check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
+                    should_check_values(q));
+}
+
+void check_tree_rejection_sample_op(const at::Tensor& target_logits,
+                                    const at::Tensor& draft_tokens, const at::Tensor& parents,
+                                    const at::Tensor& num_nodes,
+                                    const std::optional<at::Tensor>& draft_probs,
+                                    const at::Tensor& temperature, const at::Tensor& top_k,
+                                    const at::Tensor& top_p, const at::Tensor& uniforms) {
+  check_tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft_probs,
+                              temperature, top_k, top_p, uniforms,
+                              should_check_values(target_logits));
+}
+
+void check_compact_kv_op(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_table, const at::Tensor& cache_lens,
+                         const at::Tensor& accepted_nodes, const at::Tensor& num_accepted) {
+  check_compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted,
+                   should_check_values(k_cache));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec, m) {
+  m.def("build_tree_mask(Tensor parents, Tensor num_nodes) -> (Tensor tree_mask, Tensor depth)");
+  m.def(
+      "tree_verify(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor cache_lens, Tensor num_nodes, Tensor tree_mask, float sm_scale) -> Tensor");
+  m.def(
+      "tree_rejection_sample(Tensor target_logits, Tensor draft_tokens, Tensor parents, "
+      "Tensor num_nodes, Tensor? draft_probs, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor uniforms) -> (Tensor accepted_nodes, Tensor num_accepted, Tensor output_tokens)");
+  m.def(
+      "compact_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
+      "Tensor cache_lens, Tensor accepted_nodes, Tensor num_accepted) -> ()");
+
+  m.def("_check_build_tree_mask(Tensor parents, Tensor num_nodes) -> ()");
+  m.def(
+      "_check_tree_verify(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor cache_lens, Tensor num_nodes, Tensor tree_mask, float sm_scale) -> ()");
+  m.def(
+      "_check_tree_rejection_sample(Tensor target_logits, Tensor draft_tokens, Tensor parents, "
+      "Tensor num_nodes, Tensor? draft_probs, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor uniforms) -> ()");
+  m.def(
+      "_check_compact_kv(Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor cache_lens, Tensor accepted_nodes, Tensor num_accepted) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CompositeExplicitAutograd, m) {
+  m.impl("_check_build_tree_mask", &check_build_tree_mask_op);
+  m.impl("_check_tree_verify", &check_tree_verify_op);
+  m.impl("_check_tree_rejection_sample", &check_tree_rejection_sample_op);
+  m.impl("_check_compact_kv", &check_compact_kv_op);
+}
+
+TORCH_LIBRARY_IMPL(specdec, Meta, m) {
+  m.impl("build_tree_mask", &build_tree_mask_meta);
+  m.impl("tree_verify", &tree_verify_meta);
+  m.impl("tree_rejection_sample", &tree_rejection_sample_meta);
+  m.impl("compact_kv", &compact_kv_meta);
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("build_tree_mask", &build_tree_mask_impl<build_tree_mask_cpu>);
+  m.impl("tree_verify", &tree_verify_impl<tree_verify_cpu>);
+  m.impl("tree_rejection_sample", &tree_rejection_sample_impl<tree_rejection_sample_cpu>);
+  m.impl("compact_kv", &compact_kv_impl<compact_kv_cpu>);
+}
+
+#ifdef SPECDEC_WITH_CUDA
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("build_tree_mask", &build_tree_mask_impl<build_tree_mask_cuda>);
+  m.impl("tree_verify", &tree_verify_impl<tree_verify_cuda>);
+  m.impl("tree_rejection_sample", &tree_rejection_sample_impl<tree_rejection_sample_cuda>);
+  m.impl("compact_kv", &compact_kv_impl<compact_kv_cuda>);
+}
+#endif
+
+}  // namespace specdec

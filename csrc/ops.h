@@ -1,0 +1,60 @@
+// Kernel entry points of the specdec ops, one set per backend.
+//
+// The schemas live in ops.cpp (the only place the contract is written in C++);
+// every entry point below is called from there after the shared input checks of
+// checks.h have passed, so kernels may assume well-formed inputs:
+//   * index tensors (parents, num_nodes, cache_lens, block_table, top_k,
+//     draft_tokens, accepted_nodes, num_accepted) are contiguous int32,
+//   * float parameters (temperature, top_p, uniforms) are contiguous float32,
+//   * q / caches / logits / draft_probs are contiguous.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+#include <tuple>
+
+namespace specdec {
+
+// ---- CPU (csrc/cpu/*.cpp) ----
+std::tuple<at::Tensor, at::Tensor> build_tree_mask_cpu(const at::Tensor& parents,
+                                                       const at::Tensor& num_nodes);
+
+at::Tensor tree_verify_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_table,
+                           const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                           const at::Tensor& tree_mask, double sm_scale);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
+    const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+    const at::Tensor& parents, const at::Tensor& num_nodes,
+    const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature,
+    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& uniforms);
+
+// k_cache / v_cache are always [L, num_blocks, block_size, Hkv, D] here.
+void compact_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_table,
+                    const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,
+                    const at::Tensor& num_accepted);
+
+#ifdef SPECDEC_WITH_CUDA
+// ---- CUDA (csrc/cuda/*.cu), same contracts ----
+std::tuple<at::Tensor, at::Tensor> build_tree_mask_cuda(const at::Tensor& parents,
+                                                        const at::Tensor& num_nodes);
+
+at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_table,
+                            const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                            const at::Tensor& tree_mask, double sm_scale);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
+    const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+    const at::Tensor& parents, const at::Tensor& num_nodes,
+    const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature,
+    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& uniforms);
+
+void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,
+                     const at::Tensor& num_accepted);
+#endif
+
+}  // namespace specdec

@@ -1,0 +1,212 @@
+"""Plain PyTorch references of the specdec ops.
+
+They are the test oracle (called on float64 inputs) and the "naive PyTorch"
+baseline of the microbenchmarks (called on the benchmark's own dtypes). They are
+written for readability, following the contract in the README word for word;
+they do not validate their inputs (the public wrappers do, through C++).
+"""
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "build_tree_mask",
+    "unpack_tree_mask",
+    "tree_verify",
+    "process_logits",
+    "tree_rejection_sample",
+    "compact_kv",
+]
+
+
+# --------------------------------------------------------------------------- masks
+def build_tree_mask(parents, num_nodes):
+    """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32 [B, T]).
+
+    Bit j of row i is set iff node j is node i or one of its ancestors; rows of
+    padded nodes (i >= num_nodes[b]) are all zero and have depth 0.
+    """
+    B, T = parents.shape
+    W = (T + 63) // 64
+    anc = torch.zeros(B, T, W * 64, dtype=torch.bool)
+    depth = torch.zeros(B, T, dtype=torch.int32)
+    for b in range(B):
+        for i in range(int(num_nodes[b])):
+            p = int(parents[b, i])
+            if p >= 0:
+                anc[b, i] = anc[b, p]
+                depth[b, i] = depth[b, p] + 1
+            anc[b, i, i] = True
+    words = anc.view(B, T, W, 64).to(torch.int64)
+    mask = torch.zeros(B, T, W, dtype=torch.int64)
+    for bit in range(64):  # bit 63 lands on the sign bit, as in the packed int64 contract
+        mask |= words[..., bit] << bit
+    return mask.to(parents.device), depth.to(parents.device)
+
+
+def unpack_tree_mask(tree_mask, T):
+    """tree_mask int64 [B, T, W] -> bool [B, T, T] (entry [b, i, j] is bit j of row i)."""
+    bits = torch.arange(64, device=tree_mask.device)
+    unpacked = (tree_mask[..., None] >> bits) & 1  # [B, T, W, 64]
+    return unpacked.flatten(-2)[..., :T].bool()
+
+
+# --------------------------------------------------------------------------- attention
+def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale):
+    """Gather + dense mask + SDPA.
+
+    q: [B, T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
+    block_table: int [B, max_blocks]; cache_lens, num_nodes: int [B];
+    tree_mask: int64 [B, T, ceil(T/64)]  ->  [B, T, Hq, D] in q's dtype.
+    """
+    B, T, Hq, D = q.shape
+    num_blocks, bs, Hkv, _ = k_cache.shape
+    S = block_table.shape[1] * bs
+    blocks = block_table.long().clamp(0, num_blocks - 1)  # unowned entries (e.g. -1) are never attended
+    k = k_cache[blocks].reshape(B, S, Hkv, D)
+    v = v_cache[blocks].reshape(B, S, Hkv, D)
+
+    pos = torch.arange(S, device=q.device)[None, None, :]  # [1, 1, S]
+    c = cache_lens.long()[:, None, None]
+    n = num_nodes.long()[:, None, None]
+    node = pos - c  # tree node index of each position
+    in_tree = (node >= 0) & (node < n)
+    tree_bits = unpack_tree_mask(tree_mask, T)  # [B, T, T]
+    tree_ok = torch.gather(tree_bits, 2, node.clamp(0, T - 1).expand(B, T, S)) & in_tree
+    mask = (pos < c) | tree_ok  # [B, T, S]
+    row_valid = torch.arange(T, device=q.device)[None, :] < num_nodes.long()[:, None]
+    mask &= row_valid[..., None]
+    has_key = mask.any(-1)  # rows with nothing to attend to return zeros
+    mask[..., 0] |= ~has_key
+
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None], scale=sm_scale, enable_gqa=Hq != Hkv,
+    ).transpose(1, 2)
+    return out.masked_fill(~has_key[..., None, None], 0).to(q.dtype)
+
+
+# --------------------------------------------------------------------------- sampling
+def process_logits(logits, temperature, top_k, top_p):
+    """logits [..., V] of one request -> the processed target distribution [..., V].
+
+    temperature 0: one-hot on the argmax (ties to the lowest id). Otherwise
+    softmax(logits / temperature), then top-k (keep t iff fewer than k tokens have a
+    strictly larger logit; 0 = off), renormalise, then top-p (keep t iff the
+    tokens strictly more probable than t hold less than top_p of the mass;
+    1.0 = off), renormalise. Both filters keep ties, so they are sort-free.
+    """
+    temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
+    if temperature == 0.0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        probs = torch.where(logits >= kth, probs, 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if top_p < 1.0:
+        asc, _ = torch.sort(probs, dim=-1)
+        cum = torch.cumsum(asc, dim=-1)
+        idx = torch.searchsorted(asc, probs, right=True) - 1  # last sorted slot holding a value <= p_t
+        mass_above = cum[..., -1:] - torch.gather(cum, -1, idx)
+        probs = torch.where(mass_above < top_p, probs, 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _sample(dist, u):
+    """Inverse CDF over the (unnormalised) dist [V]: the first t with cumsum[t] > u * sum."""
+    cum = torch.cumsum(dist, 0)
+    hit = torch.nonzero(cum > u * cum[-1])
+    if len(hit) == 0:  # u * sum rounded up to the total: take the last token with mass
+        return int(torch.nonzero(dist > 0)[-1])
+    return int(hit[0])
+
+
+def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft_probs,
+                          temperature, top_k, top_p, uniforms):
+    """Exact multi-draft speculative sampling over trees (SpecInfer / EAGLE rule).
+
+    target_logits: [B, T, V]; draft_tokens, parents: int [B, T]; num_nodes: int [B];
+    draft_probs: [B, T, V] or None (deterministic drafts: point masses);
+    temperature, top_p: float [B]; top_k: int [B]; uniforms: float [B, T + 1] in [0, 1).
+    -> accepted_nodes int32 [B, T], num_accepted int32 [B], output_tokens int32 [B, T].
+
+    Uniform consumption: the acceptance test of draft node c uses uniforms[b, c];
+    the bonus token uses uniforms[b, T]. At the current node u with residual r
+    (initially the processed target distribution p_u), child c (token x, tried in
+    index order) is accepted iff uniforms[b, c] * q(x) * sum(r) < r(x), where
+    q = draft_probs[b, u] or a point mass on x (q(x) = 1). On rejection
+    r <- max(r / sum(r) - q, 0) (point mass: r(x) <- 0); should r lose all its
+    mass (only possible with inconsistent draft_probs) it is reset to p_u. The
+    walk ends at a leaf or when every child is rejected; the bonus token is then
+    the inverse CDF of r at uniforms[b, T]. Greedy requests (temperature 0) use
+    p_u = one-hot(argmax), which makes this rule accept exactly the child whose
+    token is the argmax and emit the argmax as bonus.
+    """
+    B, T, V = target_logits.shape
+    accepted_nodes = torch.full((B, T), -1, dtype=torch.int32)
+    output_tokens = torch.full((B, T), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        n = int(num_nodes[b])
+        children = [[] for _ in range(n)]
+        for c in range(1, n):
+            children[int(parents[b, c])].append(c)
+
+        def target(node):
+            logits = target_logits[b, node]
+            if torch.isnan(logits).any() or not torch.isfinite(logits.max()):
+                raise ValueError(f"target_logits[{b}, {node}] has NaN, +inf or only -inf entries")
+            return process_logits(logits, temperature[b], top_k[b], top_p[b])
+
+        u, path, toks = 0, [0], []
+        p = target(0)
+        r = p.clone()
+        while True:
+            nxt = None
+            for c in children[u]:
+                x = int(draft_tokens[b, c])
+                q_x = 1.0 if draft_probs is None else float(draft_probs[b, u, x])
+                if float(uniforms[b, c]) * q_x * float(r.sum()) < float(r[x]):
+                    nxt = c
+                    break
+                if draft_probs is None:
+                    r[x] = 0
+                else:
+                    r = torch.clamp(r / r.sum() - draft_probs[b, u].to(r.dtype), min=0)
+                if not float(r.sum()) > 0:
+                    r = p.clone()
+            if nxt is None:
+                break
+            u = nxt
+            path.append(u)
+            toks.append(int(draft_tokens[b, u]))
+            p = target(u)
+            r = p.clone()
+        toks.append(_sample(r, float(uniforms[b, T])))
+        k = len(path)
+        accepted_nodes[b, :k] = torch.tensor(path, dtype=torch.int32)
+        output_tokens[b, :k] = torch.tensor(toks, dtype=torch.int32)
+        num_accepted[b] = k - 1
+    dev = target_logits.device
+    return accepted_nodes.to(dev), num_accepted.to(dev), output_tokens.to(dev)
+
+
+# --------------------------------------------------------------------------- compaction
+def compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted):
+    """In place: move logical position cache_lens[b] + accepted_nodes[b, k] to cache_lens[b] + k.
+
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D].
+    All sources are read before any destination is written, so overlaps are safe.
+    """
+    k = k_cache if k_cache.dim() == 5 else k_cache.unsqueeze(0)
+    v = v_cache if v_cache.dim() == 5 else v_cache.unsqueeze(0)
+    bs = k.shape[2]
+    for b in range(block_table.shape[0]):
+        m = int(num_accepted[b]) + 1
+        src = int(cache_lens[b]) + accepted_nodes[b, :m].long()
+        dst = int(cache_lens[b]) + torch.arange(m, device=src.device)
+        sb, so = block_table[b].long()[src // bs], src % bs
+        db, do = block_table[b].long()[dst // bs], dst % bs
+        for cache in (k, v):
+            cache[:, db, do] = cache[:, sb, so].clone()
