@@ -1,0 +1,48 @@
+"""Shared fixtures: the device under test and the backend under test.
+
+`pytest` runs everything on CPU tensors: the C++ kernels directly and the Triton
+kernels under TRITON_INTERPRET=1. `pytest --device cuda` runs the same tests on
+CUDA tensors (C++ CUDA kernels and compiled Triton kernels).
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=os.environ.get("SPECDEC_TEST_DEVICE", "cpu"),
+                     choices=["cpu", "cuda"], help="device the op tests run on")
+
+
+def pytest_configure(config):
+    if config.getoption("--device") == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture
+def device(request):
+    dev = request.config.getoption("--device")
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.fail("--device cuda was requested but torch.cuda.is_available() is False")
+    return torch.device(dev)
+
+
+@pytest.fixture(params=["cpp", "triton"])
+def backend(request):
+    """Kernel backend under test; the reference is the oracle, never the subject."""
+    if request.param == "triton" and not HAVE_TRITON:
+        pytest.skip("triton is not installed (pip install triton to test the Triton kernels)")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    """Fresh random data per test, reproducible from the test id (printed on failure)."""
+    seed = abs(hash(request.node.nodeid)) % (2**31)
+    torch.manual_seed(seed)
+    return seed
