@@ -1,0 +1,272 @@
+"""tree_verify (cpp and triton backends) against the float64 reference.
+
+The reference runs in float64 on the same (already rounded) inputs, so the tolerances
+below only cover the kernel's float32 accumulation and the rounding of its output.
+"""
+import os
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels import reference
+from trees import TREE_KINDS, random_block_table, random_trees
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # atol = rtol
+
+
+def make_case(B, T, Hq, Hkv, D, block_size, dtype, device, kind="random", cache_lens=None,
+              max_context=40, full=False):
+    """Random inputs of tree_verify as a dict of its arguments (sm_scale random too).
+
+    Each request owns one spare block past its last position, block-table entries it
+    does not own are -1, and the cache holds blocks nobody owns: all random data.
+    """
+    parents, num_nodes = random_trees(B, T, kind, full=full)
+    tree_mask, _ = reference.build_tree_mask(parents, num_nodes)
+    if cache_lens is None:
+        cache_lens = torch.randint(0, max_context + 1, (B,))
+    cache_lens = torch.as_tensor(cache_lens, dtype=torch.int32)
+    used = (cache_lens + num_nodes + block_size - 1) // block_size
+    blocks_per_seq = int(used.max()) + 1
+    num_blocks = B * blocks_per_seq + 2
+    block_table = random_block_table(B, blocks_per_seq, num_blocks)
+    for b in range(B):
+        block_table[b, int(used[b]) + 1:] = -1
+    return dict(
+        q=torch.randn(B, T, Hq, D).to(dtype).to(device),
+        k_cache=torch.randn(num_blocks, block_size, Hkv, D).to(dtype).to(device),
+        v_cache=torch.randn(num_blocks, block_size, Hkv, D).to(dtype).to(device),
+        block_table=block_table.to(device),
+        cache_lens=cache_lens.to(device),
+        num_nodes=num_nodes.to(device),
+        tree_mask=tree_mask.to(device),
+        sm_scale=float(torch.empty(1).uniform_(0.3, 1.5)) * D ** -0.5,
+    )
+
+
+def reference_out(case):
+    """float64 reference on the same rounded inputs."""
+    c = {k: v.cpu() if torch.is_tensor(v) else v for k, v in case.items()}
+    return reference.tree_verify(c["q"].double(), c["k_cache"].double(), c["v_cache"].double(),
+                                 c["block_table"], c["cache_lens"], c["num_nodes"], c["tree_mask"],
+                                 c["sm_scale"])
+
+
+def check(case, backend):
+    out = sk.tree_verify(**case, backend=backend)
+    q = case["q"]
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    want = reference_out(case)
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+    for b, n in enumerate(case["num_nodes"].tolist()):  # padded rows: exactly zero
+        assert (out[b, n:] == 0).all()
+    return out
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_tree_kinds(kind, device, backend):
+    """T = 70 crosses the 64-bit word boundary of tree_mask."""
+    check(make_case(3, 70, 8, 2, 64, 4, torch.float32, device, kind), backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 4), (8, 2), (8, 1)],
+                         ids=["mha", "gqa2", "gqa4", "mqa"])
+@pytest.mark.parametrize("D", [40, 64, 128])
+def test_dtypes_heads_dims(dtype, Hq, Hkv, D, device, backend):
+    block_size = int(torch.tensor([1, 4, 16])[torch.randint(0, 3, ())])
+    check(make_case(2, 12, Hq, Hkv, D, block_size, dtype, device), backend)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("context", ["zero", "random"])
+def test_block_sizes_and_empty_prefix(block_size, context, device, backend):
+    lens = [0, 0, 0] if context == "zero" else None
+    check(make_case(3, 9, 4, 2, 32, block_size, torch.float32, device, cache_lens=lens), backend)
+
+
+def test_long_context_uneven_lengths(device, backend):
+    """Few (request, KV head) pairs over long contexts: the kernel may split the positions
+    across threads; one request far shorter than the other (empty splits)."""
+    check(make_case(2, 24, 4, 1, 64, 16, torch.float32, device, cache_lens=[1100, 3], full=True),
+          backend)
+
+
+def test_bf16_long_context(device, backend):
+    check(make_case(1, 40, 8, 2, 128, 16, torch.bfloat16, device, cache_lens=[700]), backend)
+
+
+def test_contiguous_per_sequence_cache(device, backend):
+    """num_blocks = B, block_size = S, block_table = arange(B)[:, None]: a dense [B, S] cache."""
+    B, T, S = 3, 10, 57
+    case = make_case(B, T, 8, 2, 64, 4, torch.float32, device)
+    case["k_cache"] = torch.randn(B, S, 2, 64, device=device)
+    case["v_cache"] = torch.randn(B, S, 2, 64, device=device)
+    case["block_table"] = torch.arange(B, dtype=torch.int32, device=device)[:, None]
+    case["cache_lens"] = torch.tensor([S - T, 0, 20], dtype=torch.int32, device=device)
+    check(case, backend)
+
+
+def test_non_contiguous_q(device, backend):
+    case = make_case(2, 11, 8, 2, 64, 4, torch.float32, device)
+    case["q"] = case["q"].transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, Hq, D] view
+    assert not case["q"].is_contiguous()
+    check(case, backend)
+
+
+def test_arbitrary_masks(device, backend):
+    """Any bit pattern is honoured: bits at or past num_nodes are ignored, and a row that
+    sees no key at all (empty prefix, no bit) is zero."""
+    B, T = 3, 70
+    case = make_case(B, T, 4, 2, 64, 4, torch.float32, device, cache_lens=[0, 0, 13])
+    mask = torch.randint(-2**63, 2**63 - 1, (B, T, 2), dtype=torch.int64)
+    mask[:, 5] = 0  # node 5 sees nothing of the tree; with cache_lens 0 it sees no key
+    case["tree_mask"] = mask.to(device)
+    out = check(case, backend)
+    n = case["num_nodes"].tolist()
+    for b in range(2):
+        if n[b] > 5:
+            assert (out[b, 5] == 0).all()
+
+
+def test_negative_and_default_scale(device, backend):
+    case = make_case(2, 8, 4, 2, 64, 4, torch.float32, device)
+    case["sm_scale"] = -0.2
+    check(case, backend)
+    case.pop("sm_scale")
+    out = sk.tree_verify(**case, backend=backend)
+    torch.testing.assert_close(out, sk.tree_verify(**case, sm_scale=64 ** -0.5, backend=backend),
+                               atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------- bad inputs
+def _value_checks_run(device):
+    return device.type == "cpu" or os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0")
+
+
+def _bad(case_name, device):
+    """A valid small case, then broken as named; returns the argument dict."""
+    c = make_case(2, 6, 4, 2, 16, 4, torch.float32, device, cache_lens=[5, 9])
+    if case_name == "q_dtype":
+        c["q"] = c["q"].double()
+    elif case_name == "cache_dtype":
+        c["k_cache"] = c["k_cache"].half()
+    elif case_name == "q_rank":
+        c["q"] = c["q"][0]
+    elif case_name == "cache_rank":
+        c["k_cache"] = c["k_cache"][0]
+    elif case_name == "batch":
+        c["cache_lens"] = torch.cat([c["cache_lens"], c["cache_lens"][:1]])
+    elif case_name == "block_table_batch":
+        c["block_table"] = c["block_table"][:1]
+    elif case_name == "tree_size":
+        c["tree_mask"] = c["tree_mask"][:, :5]
+    elif case_name == "head_dim":
+        c["k_cache"] = c["k_cache"][..., :8].contiguous()
+        c["v_cache"] = c["v_cache"][..., :8].contiguous()
+    elif case_name == "v_shape":
+        c["v_cache"] = c["v_cache"][:, :, :1].contiguous()
+    elif case_name == "heads":
+        c["q"] = torch.randn(2, 6, 3, 16, device=device)
+    elif case_name == "non_contiguous_cache":
+        c["k_cache"] = c["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)
+    elif case_name == "mask_words":
+        c["tree_mask"] = torch.cat([c["tree_mask"], c["tree_mask"]], dim=2)
+    elif case_name == "mask_dtype":
+        c["tree_mask"] = c["tree_mask"].int()
+    elif case_name == "index_dtype":
+        c["block_table"] = c["block_table"].float()
+    elif case_name == "scale":
+        c["sm_scale"] = float("inf")
+    elif case_name == "zero_nodes":
+        c["num_nodes"][1] = 0
+    elif case_name == "too_many_nodes":
+        c["num_nodes"][1] = 7
+    elif case_name == "negative_cache_len":
+        c["cache_lens"][0] = -1
+    elif case_name == "block_out_of_range":
+        c["block_table"][1, 0] = c["k_cache"].shape[0]
+    elif case_name == "negative_block":
+        c["block_table"][0, 1] = -1
+    elif case_name == "beyond_owned_blocks":
+        c["cache_lens"][0] = c["block_table"].shape[1] * 4
+    return c
+
+
+SHAPE_CASES = [
+    ("q_dtype", r"q must be float32, float16 or bfloat16"),
+    ("cache_dtype", r"k_cache dtype \(Half\) must match q dtype"),
+    ("q_rank", r"q must be \[B, T, Hq, D\]"),
+    ("cache_rank", r"k_cache must be \[num_blocks, block_size, Hkv, D\]"),
+    ("batch", r"cache_lens.size\(0\) must equal the batch size B of q"),
+    ("block_table_batch", r"block_table.size\(0\) must equal the batch size B of q"),
+    ("tree_size", r"tree_mask.size\(1\) must equal the tree size T of q"),
+    ("head_dim", r"k_cache.size\(3\) must equal the head dim D of q"),
+    ("v_shape", r"v_cache shape .* must equal k_cache shape"),
+    ("heads", r"Hq \(3\) must be a multiple of the number of KV heads Hkv \(2\)"),
+    ("non_contiguous_cache", r"k_cache must be contiguous"),
+    ("mask_words", r"tree_mask.size\(2\) must equal ceil\(T / 64\)"),
+    ("mask_dtype", r"tree_mask must be int64"),
+    ("index_dtype", r"block_table must be an int32 or int64 tensor"),
+    ("scale", r"sm_scale must be finite"),
+]
+VALUE_CASES = [
+    ("zero_nodes", r"num_nodes\[1\] = 0 is out of range \[1, T = 6\]"),
+    ("too_many_nodes", r"num_nodes\[1\] = 7 is out of range \[1, T = 6\]"),
+    ("negative_cache_len", r"cache_lens\[0\] = -1 must be >= 0"),
+    ("block_out_of_range", r"block_table\[1, 0\] = \d+ is out of range \[0, num_blocks"),
+    ("negative_block", r"block_table\[0, 1\] = -1 is out of range"),
+    ("beyond_owned_blocks", r"cache_lens \+ num_nodes of request 0 reaches position"),
+]
+
+
+@pytest.mark.parametrize("case_name, match", SHAPE_CASES, ids=[c for c, _ in SHAPE_CASES])
+def test_bad_shapes_and_dtypes(case_name, match, device, backend):
+    with pytest.raises(RuntimeError, match=match):
+        sk.tree_verify(**_bad(case_name, device), backend=backend)
+
+
+@pytest.mark.parametrize("case_name, match", VALUE_CASES, ids=[c for c, _ in VALUE_CASES])
+def test_bad_values(case_name, match, device, backend):
+    if not _value_checks_run(device):
+        pytest.skip("value checks on CUDA tensors run only with SPECDEC_VALIDATE=1 (documented)")
+    with pytest.raises(RuntimeError, match=match):
+        sk.tree_verify(**_bad(case_name, device), backend=backend)
+
+
+def test_mixed_devices(device, backend):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device to mix devices")
+    c = _bad("none", device)
+    other = "cpu" if device.type == "cuda" else "cuda"
+    c["block_table"] = c["block_table"].to(other)
+    with pytest.raises(RuntimeError, match=r"block_table must be on the same device as q"):
+        sk.tree_verify(**c, backend=backend)
+
+
+# --------------------------------------------------------------------------- torch integration
+def _op_args(case):
+    return (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["cache_lens"],
+            case["num_nodes"], case["tree_mask"], case["sm_scale"])
+
+
+def test_opcheck(device):
+    case = make_case(2, 9, 4, 2, 32, 4, torch.float32, device)
+    torch.library.opcheck(torch.ops.specdec.tree_verify, _op_args(case))
+
+
+def test_torch_compile_fullgraph(device):
+    case = make_case(2, 9, 4, 2, 32, 4, torch.float32, device)
+
+    @torch.compile(fullgraph=True)
+    def layer(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask):
+        out = torch.ops.specdec.tree_verify(q * 2.0, k_cache, v_cache, block_table, cache_lens,
+                                            num_nodes, tree_mask, 0.5 * case["sm_scale"])
+        return out + 1.0
+
+    got = layer(*_op_args(case)[:-1])
+    want = torch.ops.specdec.tree_verify(*_op_args(case)) + 1.0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
