@@ -99,6 +99,22 @@ def test_bf16_long_context(device, backend):
     check(make_case(1, 40, 8, 2, 128, 16, torch.bfloat16, device, cache_lens=[700]), backend)
 
 
+ISA_LEVEL = {"DEFAULT": 0, "NO AVX": 0, "AVX2": 1, "AVX512": 2, "ZVECTOR": 0, "VSX": 0}
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_isa_builds(isa, dtype, device, monkeypatch):
+    """The C++ CPU kernel is compiled for AVX-512, AVX2 and the baseline ISA and runs the
+    widest the CPU has; SPECDEC_CPU_ISA caps it so the narrower builds are tested too."""
+    if device.type != "cpu":
+        pytest.skip("CPU kernel builds")
+    if isa == "avx2" and ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0) < 1:
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+    check(make_case(2, 20, 8, 2, 40, 4, dtype, device, cache_lens=[300, 7]), "cpp")
+
+
 def test_contiguous_per_sequence_cache(device, backend):
     """num_blocks = B, block_size = S, block_table = arange(B)[:, None]: a dense [B, S] cache."""
     B, T, S = 3, 10, 57

@@ -5,22 +5,25 @@
 // h * group + m % group) are processed together, so each K / V row is read from the cache
 // once per KV head. Keys are staged tile by tile (kTile positions, resolved through the
 // block table) into small thread-local float buffers -- K transposed into panels of
-// kPanel keys, V row-major -- which also converts half / bfloat16 to float. Register-blocked
+// 2 * W keys, V row-major -- which also converts half / bfloat16 to float. Register-blocked
 // micro-kernels compute the tile's scores S = Q K^T and the update O += P V; between them an
-// online softmax keeps a running max and sum per row (in base 2: Q is pre-scaled by
+// online softmax keeps a running max and sum per row (in base 2: the scores are scaled by
 // sm_scale * log2(e)). Prefix positions (< cache_lens[b]) are visible to every row; tree
 // positions only where the row's tree_mask bit is set. When B * Hkv tasks cannot occupy
 // the threads, the positions are split and the partial (O, max, sum) merged afterwards.
 //
-// The hot loops use GCC vector extensions (8 floats): compiled once for AVX2 + FMA (picked
-// at run time when the CPU has them) and once for the baseline ISA.
+// The hot loops use GCC vector extensions of W floats, compiled for AVX-512 (W = 16), for
+// AVX2 + FMA (W = 8) and for the baseline ISA (W = 4, SSE2 on x86-64); the best the CPU runs
+// is picked at run time.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -34,39 +37,53 @@
 namespace specdec {
 namespace {
 
-constexpr int kVec = 8;                 // floats per vfloat
-constexpr int kPanel = 2 * kVec;        // keys per K panel = columns of the score micro-kernel
+// Vectors of W floats; the micro-kernels work on 2 * W columns (keys or head dims) at a time.
+template <int W>
+struct Simd {
+  typedef float f __attribute__((vector_size(W * sizeof(float))));
+  typedef int32_t i __attribute__((vector_size(W * sizeof(int32_t))));
+};
+constexpr int kMaxPanel = 32;           // 2 * the widest W (a multiple of every 2 * W)
 constexpr int kRows = 4;                // query rows per micro-kernel call
-constexpr int64_t kTile = 4 * kPanel;   // key positions staged at a time
+constexpr int64_t kTile = 64;           // key positions staged at a time (a multiple of kMaxPanel)
 constexpr int64_t kMinSplit = 256;      // fewest positions worth a split of their own
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef float vfloat __attribute__((vector_size(kVec * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(kVec * sizeof(int32_t))));
+#define SPECDEC_INLINE __attribute__((always_inline)) inline
 
-__attribute__((always_inline)) inline vfloat splat(float x) { return vfloat{} + x; }
-__attribute__((always_inline)) inline vfloat load(const float* p) {
-  vfloat v;
+template <int W>
+SPECDEC_INLINE typename Simd<W>::f splat(float x) {
+  return typename Simd<W>::f{} + x;
+}
+template <int W>
+SPECDEC_INLINE typename Simd<W>::f load(const float* p) {
+  typename Simd<W>::f v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
-__attribute__((always_inline)) inline void store(float* p, vfloat v) {
+template <typename V>
+SPECDEC_INLINE void store(float* p, V v) {
   __builtin_memcpy(p, &v, sizeof(v));
 }
-__attribute__((always_inline)) inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+template <typename V>
+SPECDEC_INLINE V vmax(V a, V b) {
+  return a > b ? a : b;
+}
 
 // 2^x for x <= 0 (a score minus its row max), ~1 ulp; exactly 0 below -126 and for -inf.
-__attribute__((always_inline)) inline vfloat exp2_nonpos(vfloat x) {
-  const vfloat lo = splat(-126.f);
+template <int W>
+SPECDEC_INLINE typename Simd<W>::f exp2_nonpos(typename Simd<W>::f x) {
+  using vfloat = typename Simd<W>::f;
+  const vfloat lo = splat<W>(-126.f);
   const vfloat xc = x < lo ? lo : x;
   // Adding 1.5 * 2^23 rounds to an integer k, which then sits in the low mantissa bits.
-  const vfloat round = splat(12582912.f);
+  const vfloat round = splat<W>(12582912.f);
   const vfloat shifted = xc + round;
   const vfloat k = shifted - round;
   const vfloat f = xc - k;  // in [-0.5, 0.5]
   // Taylor series of 2^f = e^(f ln 2) to degree 7: truncation error < 1e-8 on [-0.5, 0.5].
-  vfloat p = splat(1.525273380405984e-05f);
+  vfloat p = splat<W>(1.525273380405984e-05f);
   p = p * f + 1.5403530393381606e-04f;
   p = p * f + 1.3333558146428443e-03f;
   p = p * f + 9.618129107628477e-03f;
@@ -74,22 +91,24 @@ __attribute__((always_inline)) inline vfloat exp2_nonpos(vfloat x) {
   p = p * f + 2.402265069591007e-01f;
   p = p * f + 6.931471805599453e-01f;
   p = p * f + 1.f;
-  vint kbits;
+  typename Simd<W>::i kbits;
   __builtin_memcpy(&kbits, &shifted, sizeof(kbits));
-  const vint bits = (kbits - 0x4B400000 + 127) << 23;  // 2^k as a float (0x4B400000 = round)
+  const typename Simd<W>::i bits = (kbits - 0x4B400000 + 127) << 23;  // 2^k as a float (0x4B400000 = round)
   vfloat scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return x < lo ? vfloat{} : p * scale;
 }
 
-__attribute__((always_inline)) inline float hmax(vfloat v) {
+template <int W>
+SPECDEC_INLINE float hmax(typename Simd<W>::f v) {
   float m = v[0];
-  for (int i = 1; i < kVec; ++i) m = std::max(m, v[i]);
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
   return m;
 }
-__attribute__((always_inline)) inline float hsum(vfloat v) {
+template <int W>
+SPECDEC_INLINE float hsum(typename Simd<W>::f v) {
   float s = 0.f;
-  for (int i = 0; i < kVec; ++i) s += v[i];
+  for (int i = 0; i < W; ++i) s += v[i];
   return s;
 }
 
@@ -132,10 +151,10 @@ struct Workspace {
   float *q, *o, *s, *kt, *vb, *mx, *l, *alpha;
   Workspace(int64_t Mp, int64_t D, int64_t Dp)
       : buf(2 * Mp * Dp + Mp * kTile + kTile * D + kTile * Dp + 3 * Mp, 0.f) {
-    q = buf.data();            // [Mp, Dp] pre-scaled queries
+    q = buf.data();            // [Mp, Dp] queries as float
     o = q + Mp * Dp;           // [Mp, Dp] unnormalised output
     s = o + Mp * Dp;           // [Mp, kTile] scores, then probabilities
-    kt = s + Mp * kTile;       // [kTile / kPanel, D, kPanel] K tile, transposed panels
+    kt = s + Mp * kTile;       // [kTile / (2 W), D, 2 W] K tile, transposed panels
     vb = kt + kTile * D;       // [kTile, Dp] V tile (columns >= D stay zero)
     mx = vb + kTile * Dp;      // [Mp] running max (base 2)
     l = mx + Mp;               // [Mp] running sum
@@ -143,61 +162,61 @@ struct Workspace {
   }
 };
 
-// s[r, 0:kPanel] = q[r, :] . kt[:, 0:kPanel] for kRows rows.
-__attribute__((always_inline)) inline void score_block(const float* q, int64_t ldq,
-                                                       const float* kt, int64_t D, float* s,
-                                                       int64_t lds) {
+// s[r, 0:2W] = scale * q[r, :] . kt[:, 0:2W] for kRows rows (kt: one [D, 2W] panel).
+template <int W>
+SPECDEC_INLINE void score_block(const float* q, int64_t ldq, const float* kt, int64_t D,
+                                float scale, float* s, int64_t lds) {
+  using vfloat = typename Simd<W>::f;
   vfloat acc[kRows][2] = {};
   for (int64_t d = 0; d < D; ++d) {
-    const vfloat k0 = load(kt + d * kPanel), k1 = load(kt + d * kPanel + kVec);
+    const vfloat k0 = load<W>(kt + d * 2 * W), k1 = load<W>(kt + d * 2 * W + W);
     for (int r = 0; r < kRows; ++r) {
-      const vfloat qv = splat(q[r * ldq + d]);
+      const vfloat qv = splat<W>(q[r * ldq + d]);
       acc[r][0] = qv * k0 + acc[r][0];
       acc[r][1] = qv * k1 + acc[r][1];
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    store(s + r * lds, acc[r][0]);
-    store(s + r * lds + kVec, acc[r][1]);
+    store(s + r * lds, acc[r][0] * scale);
+    store(s + r * lds + W, acc[r][1] * scale);
   }
 }
 
-// o[r, 0:2*kVec] = alpha[r] * o[r, 0:2*kVec] + sum_n p[r, n] * vb[n, 0:2*kVec], kRows rows.
-__attribute__((always_inline)) inline void update_block(const float* p, int64_t ldp,
-                                                        const float* vb, int64_t ldv,
-                                                        int64_t nt, const float* alpha,
-                                                        float* o, int64_t ldo) {
+// o[r, 0:2W] = alpha[r] * o[r, 0:2W] + sum_n p[r, n] * vb[n, 0:2W] for kRows rows.
+template <int W>
+SPECDEC_INLINE void update_block(const float* p, int64_t ldp, const float* vb, int64_t ldv,
+                                 int64_t nt, const float* alpha, float* o, int64_t ldo) {
+  using vfloat = typename Simd<W>::f;
   vfloat acc[kRows][2];
   for (int r = 0; r < kRows; ++r) {
-    acc[r][0] = load(o + r * ldo) * alpha[r];
-    acc[r][1] = load(o + r * ldo + kVec) * alpha[r];
+    acc[r][0] = load<W>(o + r * ldo) * alpha[r];
+    acc[r][1] = load<W>(o + r * ldo + W) * alpha[r];
   }
   for (int64_t n = 0; n < nt; ++n) {
-    const vfloat v0 = load(vb + n * ldv), v1 = load(vb + n * ldv + kVec);
+    const vfloat v0 = load<W>(vb + n * ldv), v1 = load<W>(vb + n * ldv + W);
     for (int r = 0; r < kRows; ++r) {
-      const vfloat pv = splat(p[r * ldp + n]);
+      const vfloat pv = splat<W>(p[r * ldp + n]);
       acc[r][0] = pv * v0 + acc[r][0];
       acc[r][1] = pv * v1 + acc[r][1];
     }
   }
   for (int r = 0; r < kRows; ++r) {
     store(o + r * ldo, acc[r][0]);
-    store(o + r * ldo + kVec, acc[r][1]);
+    store(o + r * ldo + W, acc[r][1]);
   }
 }
 
-// Stages positions [p, p + nt) of (b, h) into ws.kt / ws.vb as float.
-template <typename scalar_t>
-__attribute__((always_inline)) inline void stage_tile(const Problem<scalar_t>& P, Workspace& ws,
-                                                      int64_t b, int64_t h, int64_t p,
-                                                      int64_t nt) {
+// Stages positions [p, p + nt) of (b, h) into ws.kt (panels of 2W keys) / ws.vb as float.
+template <int W, typename scalar_t>
+SPECDEC_INLINE void stage_tile(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
+                               int64_t p, int64_t nt) {
   for (int64_t j = 0; j < nt; ++j) {
     const int64_t off = P.kv_offset(b, p + j, h);
     const scalar_t* ks = P.k + off;
     const scalar_t* vs = P.v + off;
-    float* kcol = ws.kt + (j / kPanel) * P.D * kPanel + j % kPanel;
+    float* kcol = ws.kt + (j / (2 * W)) * P.D * 2 * W + j % (2 * W);
     float* vrow = ws.vb + j * P.Dp;
-    for (int64_t d = 0; d < P.D; ++d) kcol[d * kPanel] = static_cast<float>(ks[d]);
+    for (int64_t d = 0; d < P.D; ++d) kcol[d * 2 * W] = static_cast<float>(ks[d]);
     for (int64_t d = 0; d < P.D; ++d) vrow[d] = static_cast<float>(vs[d]);
   }
 }
@@ -205,9 +224,8 @@ __attribute__((always_inline)) inline void stage_tile(const Problem<scalar_t>& P
 // Hides the tile columns a row may not see: tree nodes outside its mask, and the padding
 // columns [nt, npad) of a partial tile.
 template <typename scalar_t>
-__attribute__((always_inline)) inline void mask_tile(const Problem<scalar_t>& P, Workspace& ws,
-                                                     int64_t b, int64_t p, int64_t nt,
-                                                     int64_t npad) {
+SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t p,
+                              int64_t nt, int64_t npad) {
   const int64_t c = P.cache_lens[b], M = P.rows(b);
   const int64_t j0 = std::max<int64_t>(0, c - p);  // first tree column of the tile
   for (int64_t m = 0; m < M; ++m) {
@@ -223,39 +241,40 @@ __attribute__((always_inline)) inline void mask_tile(const Problem<scalar_t>& P,
 
 // Online softmax over one tile: turns the scores of each valid row into probabilities
 // relative to the updated running max, and records how much o must be rescaled.
-__attribute__((always_inline)) inline void softmax_tile(Workspace& ws, int64_t M,
-                                                        int64_t npad) {
+template <int W>
+SPECDEC_INLINE void softmax_tile(Workspace& ws, int64_t M, int64_t npad) {
+  using vfloat = typename Simd<W>::f;
   for (int64_t m = 0; m < M; ++m) {
     float* row = ws.s + m * kTile;
-    vfloat vm = splat(kNegInf);
-    for (int64_t j = 0; j < npad; j += kVec) vm = vmax(vm, load(row + j));
-    const float m_new = std::max(ws.mx[m], hmax(vm));
+    vfloat vm = splat<W>(kNegInf);
+    for (int64_t j = 0; j < npad; j += W) vm = vmax(vm, load<W>(row + j));
+    const float m_new = std::max(ws.mx[m], hmax<W>(vm));
     if (m_new == kNegInf) {  // nothing visible yet: o stays zero
       for (int64_t j = 0; j < npad; ++j) row[j] = 0.f;
       ws.alpha[m] = 1.f;
       continue;
     }
-    const vfloat sub = splat(m_new);
+    const vfloat sub = splat<W>(m_new);
     vfloat vs = {};
-    for (int64_t j = 0; j < npad; j += kVec) {
-      const vfloat e = exp2_nonpos(load(row + j) - sub);
+    for (int64_t j = 0; j < npad; j += W) {
+      const vfloat e = exp2_nonpos<W>(load<W>(row + j) - sub);
       store(row + j, e);
       vs += e;
     }
     ws.alpha[m] = std::exp2(ws.mx[m] - m_new);  // 0 when the running max was -inf
-    ws.l[m] = ws.l[m] * ws.alpha[m] + hsum(vs);
+    ws.l[m] = ws.l[m] * ws.alpha[m] + hsum<W>(vs);
     ws.mx[m] = m_new;
   }
 }
 
 // Runs the positions of split s of (b, h); leaves unnormalised o, mx and l in ws.
-template <typename scalar_t>
-__attribute__((always_inline)) inline void attend(const Problem<scalar_t>& P, Workspace& ws,
-                                                  int64_t b, int64_t h, int64_t s) {
+template <int W, typename scalar_t>
+SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
+                           int64_t s) {
   const int64_t M = P.rows(b), Mr = (M + kRows - 1) / kRows * kRows, D = P.D, Dp = P.Dp;
   for (int64_t m = 0; m < M; ++m) {
     const scalar_t* src = P.q + P.q_offset(b, h, m);
-    for (int64_t d = 0; d < D; ++d) ws.q[m * Dp + d] = static_cast<float>(src[d]) * P.scale;
+    for (int64_t d = 0; d < D; ++d) ws.q[m * Dp + d] = static_cast<float>(src[d]);
   }
   std::fill(ws.q + M * Dp, ws.q + Mr * Dp, 0.f);  // padding rows: scores 0, never softmaxed
   std::fill(ws.o, ws.o + Mr * Dp, 0.f);
@@ -264,39 +283,60 @@ __attribute__((always_inline)) inline void attend(const Problem<scalar_t>& P, Wo
   std::fill(ws.alpha, ws.alpha + Mr, 1.f);  // rows >= M: zero queries, zero o, never rescaled
   const auto [p0, p1] = P.split_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
-    const int64_t nt = std::min(kTile, p1 - p), npad = (nt + kPanel - 1) / kPanel * kPanel;
-    stage_tile(P, ws, b, h, p, nt);
+    const int64_t nt = std::min(kTile, p1 - p), npad = (nt + 2 * W - 1) / (2 * W) * (2 * W);
+    stage_tile<W>(P, ws, b, h, p, nt);
     for (int64_t m = 0; m < Mr; m += kRows) {
-      for (int64_t j = 0; j < npad; j += kPanel) {
-        score_block(ws.q + m * Dp, Dp, ws.kt + j * D, D, ws.s + m * kTile + j, kTile);
+      for (int64_t j = 0; j < npad; j += 2 * W) {
+        score_block<W>(ws.q + m * Dp, Dp, ws.kt + j * D, D, P.scale, ws.s + m * kTile + j,
+                       kTile);
       }
     }
     mask_tile(P, ws, b, p, nt, npad);
-    softmax_tile(ws, M, npad);
+    softmax_tile<W>(ws, M, npad);
     for (int64_t m = 0; m < Mr; m += kRows) {
-      for (int64_t d = 0; d < Dp; d += 2 * kVec) {
-        update_block(ws.s + m * kTile, kTile, ws.vb + d, Dp, nt, ws.alpha + m,
-                     ws.o + m * Dp + d, Dp);
+      for (int64_t d = 0; d < Dp; d += 2 * W) {
+        update_block<W>(ws.s + m * kTile, kTile, ws.vb + d, Dp, nt, ws.alpha + m,
+                        ws.o + m * Dp + d, Dp);
       }
     }
   }
 }
 
 template <typename scalar_t>
-__attribute__((target("avx2,fma"))) void attend_avx2(const Problem<scalar_t>& P, Workspace& ws,
-                                                     int64_t b, int64_t h, int64_t s) {
-  attend(P, ws, b, h, s);
+__attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_avx512(
+    const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h, int64_t s) {
+  attend<16>(P, ws, b, h, s);
+}
+
+template <typename scalar_t>
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Problem<scalar_t>& P,
+                                                          Workspace& ws, int64_t b, int64_t h,
+                                                          int64_t s) {
+  attend<8>(P, ws, b, h, s);
 }
 
 template <typename scalar_t>
 void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
                      int64_t s) {
-  attend(P, ws, b, h, s);
+  attend<4>(P, ws, b, h, s);
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
+// The widest build the CPU runs; SPECDEC_CPU_ISA=avx2|baseline caps it, so that the tests
+// exercise every build on one machine.
+template <typename scalar_t>
+auto pick_attend() {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512vl") &&
+                             __builtin_cpu_supports("avx512bw");
+  const char* env = std::getenv("SPECDEC_CPU_ISA");
+  const std::string cap = env ? env : "";
+  TORCH_CHECK(cap.empty() || cap == "avx512" || cap == "avx2" || cap == "baseline",
+              "SPECDEC_CPU_ISA must be avx512, avx2 or baseline, got '", cap, "'");
+  if (avx512 && (cap.empty() || cap == "avx512")) return &attend_avx512<scalar_t>;
+  if (avx2 && cap != "baseline") return &attend_avx2<scalar_t>;
+  return &attend_baseline<scalar_t>;
 }
 
 // out[b, m / group, h * group + m % group, :] = o[m, :] / l[m] for the M valid rows
@@ -321,7 +361,7 @@ int64_t choose_splits(int64_t tasks, int64_t max_len) {
 template <typename scalar_t>
 void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
   const int64_t Mp = (P.T * P.group + kRows - 1) / kRows * kRows, Dp = P.Dp, S = P.splits;
-  const auto attend_fn = cpu_has_avx2_fma() ? &attend_avx2<scalar_t> : &attend_baseline<scalar_t>;
+  const auto attend_fn = pick_attend<scalar_t>();
   // Partial results of every (b, h, s) task when positions are split, merged below.
   std::vector<float> part_o, part_ml;
   if (S > 1) {
@@ -385,7 +425,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       Hq,
                       Hkv,
                       D,
-                      (D + 2 * kVec - 1) / (2 * kVec) * (2 * kVec),
+                      (D + kMaxPanel - 1) / kMaxPanel * kMaxPanel,
                       Hq / Hkv,
                       k_cache.size(1),
                       block_table.size(1),
