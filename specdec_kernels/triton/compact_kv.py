@@ -1,0 +1,65 @@
+"""compact_kv in Triton: one launch moves the accepted path of every request, all layers, K and V.
+
+Grid: (2 * L, B, row chunks). A program copies one chunk of the Hkv * D row of
+each accepted node, in increasing k. Node ids increase along a root path, so the
+source cache_lens + a[k] >= the destination cache_lens + k: a destination is
+never a later step's source (it lies below it), and a source is only
+overwritten by a later step, after this program has read it.
+The copy is bitwise (the cache is viewed as integers of its element size), so
+any element dtype works and NaN payloads survive.
+"""
+import torch
+import triton
+import triton.language as tl
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@triton.jit
+def _copy_path(cache_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, T, cols, col_mask):
+    """Copies rows cache_lens + accepted[k] -> cache_lens + k (k = 1..na) of one layer."""
+    base = cache_ptr + layer * NB * bs * ROW
+    for k in range(1, na + 1):
+        src = c + tl.load(acc_ptr + b * T + k)
+        dst = c + k
+        if src != dst:
+            src_row = tl.load(bt_ptr + b * MB + src // bs).to(tl.int64) * bs + src % bs
+            dst_row = tl.load(bt_ptr + b * MB + dst // bs).to(tl.int64) * bs + dst % bs
+            vals = tl.load(base + src_row * ROW + cols, mask=col_mask)
+            tl.store(base + dst_row * ROW + cols, vals, mask=col_mask)
+
+
+@triton.jit
+def _compact_kv_kernel(k_ptr, v_ptr, bt_ptr, cache_lens_ptr, acc_ptr, num_acc_ptr,
+                       NB, bs, ROW, MB, T, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    layer = (pid // 2).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < ROW
+    c = tl.load(cache_lens_ptr + b)
+    na = tl.load(num_acc_ptr + b)
+    if pid % 2 == 0:
+        _copy_path(k_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, T, cols, col_mask)
+    else:
+        _copy_path(v_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, T, cols, col_mask)
+
+
+def compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted):
+    """In place. k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D]
+    (contiguous, validated); block_table: int [B, max_blocks]; cache_lens, num_accepted: int [B];
+    accepted_nodes: int [B, T]."""
+    k = k_cache if k_cache.dim() == 5 else k_cache.unsqueeze(0)
+    v = v_cache if v_cache.dim() == 5 else v_cache.unsqueeze(0)
+    L, NB, bs, H, D = k.shape
+    bits = _BITS[k.element_size()]
+    B, MB = block_table.shape
+    T = accepted_nodes.shape[1]
+    ROW = H * D
+    BLOCK = min(triton.next_power_of_2(ROW), 1024)
+    grid = (2 * L, B, triton.cdiv(ROW, BLOCK))
+    _compact_kv_kernel[grid](k.view(bits), v.view(bits), block_table.to(torch.int32).contiguous(),
+                             cache_lens.to(torch.int32).contiguous(),
+                             accepted_nodes.to(torch.int32).contiguous(),
+                             num_accepted.to(torch.int32).contiguous(), NB, bs, ROW, MB, T,
+                             BLOCK=BLOCK)

@@ -1,0 +1,46 @@
+"""build_tree_mask in Triton: one program per request walks its nodes in order.
+
+The whole [T, W] mask tile and the depth vector live in registers: row i is
+row parents[i] (selected by a masked reduction, no global read-after-write) with
+bit i added, so the walk needs no barrier between nodes.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tree_mask_kernel(parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W,
+                      T_PAD: tl.constexpr, W_PAD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(num_nodes_ptr + b)
+    rows = tl.arange(0, T_PAD)
+    words = tl.arange(0, W_PAD)
+    one = tl.full([W_PAD], 1, tl.int64)
+    # root: only its own bit, depth 0
+    tile = tl.where((rows[:, None] == 0) & (words[None, :] == 0), 1, 0).to(tl.int64)
+    depth = tl.zeros([T_PAD], tl.int32)
+    for i in range(1, n):
+        p = tl.load(parents_ptr + b * T + i)
+        sel = rows == p
+        parent_row = tl.sum(tl.where(sel[:, None], tile, 0), axis=0)  # exactly one row selected
+        own = tl.where(words == i // 64, one << (i % 64), 0)  # bit 63 lands on the sign bit
+        tile = tl.where((rows == i)[:, None], (parent_row | own)[None, :], tile)
+        depth = tl.where(rows == i, tl.sum(tl.where(sel, depth, 0)) + 1, depth)
+    tile = tl.where((rows < n)[:, None], tile, 0)  # padded rows: all zero, depth 0
+    out = mask_ptr + b * T * W + rows[:, None] * W + words[None, :]
+    tl.store(out, tile, mask=(rows[:, None] < T) & (words[None, :] < W))
+    tl.store(depth_ptr + b * T + rows, depth, mask=rows < T)
+
+
+def build_tree_mask(parents, num_nodes):
+    """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32 [B, T])."""
+    B, T = parents.shape
+    W = (T + 63) // 64
+    parents = parents.to(torch.int32).contiguous()
+    num_nodes = num_nodes.to(torch.int32).contiguous()
+    mask = torch.empty(B, T, W, dtype=torch.int64, device=parents.device)
+    depth = torch.empty(B, T, dtype=torch.int32, device=parents.device)
+    _tree_mask_kernel[(B,)](parents, num_nodes, mask, depth, T, W,
+                            T_PAD=triton.next_power_of_2(T), W_PAD=triton.next_power_of_2(W))
+    return mask, depth
