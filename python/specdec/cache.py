@@ -1,0 +1,58 @@
+"""PagedKVCache: a static, paged KV cache with one fixed range of blocks per request slot."""
+import torch
+
+
+class PagedKVCache:
+    """k, v: [L, num_blocks, block_size, Hkv, D]; slot s (one request) owns a fixed range of blocks.
+
+    block_table: int32 [num_slots, blocks_per_slot] maps a slot's logical block to a physical one;
+    cache_lens: int32 [num_slots] counts the committed tokens of each slot. Logical position p of
+    slot s lives at physical row block_table[s, p // block_size] * block_size + p % block_size.
+    """
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, num_slots, max_seq_len, block_size=16,
+                 dtype=torch.float32, device="cpu", shuffle_blocks=False):
+        blocks_per_slot = -(-max_seq_len // block_size)
+        num_blocks = num_slots * blocks_per_slot
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Shuffled blocks exercise the block-table indirection (tests); order is irrelevant to speed.
+        order = torch.randperm(num_blocks) if shuffle_blocks else torch.arange(num_blocks)
+        self.block_table = order.view(num_slots, blocks_per_slot).to(device=device, dtype=torch.int32)
+        self.cache_lens = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.block_size = block_size
+        self.capacity = blocks_per_slot * block_size
+
+    def rows(self, slots, positions, valid=None):
+        """Physical rows of k[l].view(-1, Hkv, D) for logical positions; computed once per step.
+
+        slots: int [B]; positions: int [B, T]; valid: bool [B, T] or None (all valid).
+        Returns (rows int64 [N], picked int64 [N] or None): picked selects the valid entries of
+        a [B * T, ...] flattening (None when all are valid).
+        """
+        positions = positions.long()
+        blocks = self.block_table[slots.long()].long()  # [B, blocks_per_slot]
+        physical = torch.gather(blocks, 1, positions // self.block_size)
+        rows = (physical * self.block_size + positions % self.block_size).flatten()
+        if valid is None:
+            return rows, None
+        picked = valid.flatten().nonzero().flatten()
+        return rows[picked], picked
+
+    def write_rows(self, layer, rows, picked, k, v):
+        """k, v: [B, T, Hkv, D] -> the rows of `rows(...)` in layer `layer`."""
+        k = k.reshape(-1, *k.shape[2:])
+        v = v.reshape(-1, *v.shape[2:])
+        if picked is not None:
+            k, v = k.index_select(0, picked), v.index_select(0, picked)
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, rows, k.to(self.k.dtype))
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, rows, v.to(self.v.dtype))
+
+    def write(self, layer, slots, positions, k, v, valid=None):
+        """slots int [B]; positions int [B, T] logical; k, v [B, T, Hkv, D]; valid bool [B, T] (skip padding)."""
+        rows, picked = self.rows(slots, positions, valid)
+        self.write_rows(layer, rows, picked, k, v)
+
+    def reset(self, slots):
+        self.cache_lens[slots] = 0
