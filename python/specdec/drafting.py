@@ -1,0 +1,276 @@
+"""Draft trees from an EAGLE head: a chain of depth k, or the EAGLE-2 dynamic tree.
+
+Both produce a `Draft` in the op contract's format: node 0 is the root (the last
+emitted token, not yet in the target cache), parents[b, 0] = -1, 0 <= parents[b, i] < i,
+padded with -1 up to T; draft_tokens[b, i] is node i's token.
+
+The head drafts over its own tree too (`HeadTree`): head node 0 is the head's last
+committed position n - 1 (already in its cache, never recomputed), and every draft
+node that gets expanded becomes a head node at logical position (n - 1) + index, with
+RoPE position (n - 1) + depth, attending to its ancestors through tree_verify.
+
+Randomness: tree drafts are top-k picks (deterministic), so they are point masses and
+the Draft carries draft_probs=None (as EAGLE-2 / SGLang). Chain drafts of sampled
+requests are *sampled* from the head's processed distribution q (same temperature /
+top-k / top-p as the request) and q is passed as draft_probs, which is the classic
+speculative-sampling setting and accepts more than a top-1 chain; greedy rows of the
+same batch put a one-hot q on their argmax (equivalent to a point mass).
+"""
+import re
+from dataclasses import dataclass
+
+import torch
+
+import specdec_kernels.ops as ops
+
+from .errors import InvalidTreeSpecError
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """`chain:K` (K drafts in a line) or `dynamic:DEPTH,TOPK,TOTAL` (EAGLE-2).
+
+    dynamic: DEPTH draft levels below the root; at each level the TOPK best frontier
+    nodes (by cumulative log-prob) are expanded into TOPK children each; finally the
+    best TOTAL - 1 candidates are kept, so the tree has TOTAL nodes with the root.
+    """
+
+    kind: str
+    depth: int
+    topk: int = 1
+    total: int = 0
+
+    DEFAULT = "dynamic:5,8,32"
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeSpec":
+        m = re.fullmatch(r"chain:(\d+)", text.strip())
+        if m:
+            spec = cls("chain", int(m[1]))
+        else:
+            m = re.fullmatch(r"dynamic:(\d+),(\d+),(\d+)", text.strip())
+            if not m:
+                raise InvalidTreeSpecError(
+                    f"invalid tree spec {text!r}: expected chain:K or dynamic:DEPTH,TOPK,TOTAL")
+            spec = cls("dynamic", int(m[1]), int(m[2]), int(m[3]))
+        spec.validate()
+        return spec
+
+    def validate(self):
+        if self.depth < 1:
+            raise InvalidTreeSpecError(f"tree depth must be >= 1, got {self}")
+        if self.kind == "dynamic" and (self.topk < 1 or self.total < 2):
+            raise InvalidTreeSpecError(f"dynamic trees need TOPK >= 1 and TOTAL >= 2, got {self}")
+
+    @property
+    def num_nodes(self) -> int:
+        """T: the padded tree size, root included."""
+        return self.depth + 1 if self.kind == "chain" else self.total
+
+    @property
+    def head_nodes(self) -> int:
+        """Size of the head's own tree: its root plus every expanded draft node."""
+        return 1 + (self.depth - 1) * self.topk
+
+    def __str__(self):
+        if self.kind == "chain":
+            return f"chain:{self.depth}"
+        return f"dynamic:{self.depth},{self.topk},{self.total}"
+
+
+@dataclass
+class Draft:
+    """tokens: long [B, T]; parents: int32 [B, T]; num_nodes: int32 [B];
+    draft_probs: float [B, T, V] (row u = the distribution u's child was drawn from) or None."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    def truncate(self, room: torch.Tensor) -> "Draft":
+        """Keep at most room[b] >= 1 nodes of row b (the first ones: topological order keeps
+        it a valid tree), so verification never writes past a request's cache."""
+        T = self.tokens.shape[1]
+        num_nodes = torch.minimum(self.num_nodes, room.to(self.num_nodes.dtype))
+        keep = torch.arange(T, device=self.tokens.device)[None, :] < num_nodes[:, None]
+        return Draft(self.tokens.masked_fill(~keep, 0), self.parents.masked_fill(~keep, -1),
+                     num_nodes, self.draft_probs)
+
+
+@dataclass
+class DraftState:
+    """What the head predicted at its last committed position, per request.
+
+    hidden: [B, dim] (feature of the next position); logits: [B, V] over target ids."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> "DraftState":
+        return DraftState(self.hidden[rows], self.logits[rows])
+
+
+@dataclass
+class BatchSampling:
+    """Per-request sampling parameters of the active batch.
+
+    temperature: float32 [B] (0 = greedy); top_k: int32 [B] (0 = off); top_p: float32 [B]
+    (1 = off); generators: one torch.Generator per request."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    generators: list
+
+    @property
+    def any_random(self) -> bool:
+        return bool((self.temperature > 0).any())
+
+
+def plain_draft(root_tokens: torch.Tensor) -> Draft:
+    """The drafter switched off: a one-node tree (root only), T = 1."""
+    B = root_tokens.shape[0]
+    dev = root_tokens.device
+    return Draft(root_tokens[:, None].clone(), torch.full((B, 1), -1, dtype=torch.int32, device=dev),
+                 torch.ones(B, dtype=torch.int32, device=dev))
+
+
+def draft(spec: TreeSpec, head, state: DraftState, cache, slots, root_tokens, sampling: BatchSampling) -> Draft:
+    if spec.kind == "chain":
+        return draft_chain(spec, head, state, cache, slots, root_tokens, sampling)
+    return draft_dynamic(spec, head, state, cache, slots, root_tokens)
+
+
+class HeadTree:
+    """The head's draft tree over its cache (see the module docstring).
+
+    Node 0 is the committed position n - 1; `add` appends nodes and runs the head on
+    them only, attending through the whole tree built so far."""
+
+    def __init__(self, head, cache, slots, size: int):
+        B = slots.shape[0]
+        self.head, self.cache, self.slots = head, cache, slots
+        self.base = cache.cache_lens[slots] - 1  # logical position of head node 0
+        self.parents = torch.full((B, size), -1, dtype=torch.int32, device=slots.device)
+        self.n = 1
+
+    def add(self, tokens, features, parents, depth: int):
+        """tokens: long [B, M]; features: [B, M, dim]; parents: head-node ids [B, M];
+        depth: the draft depth of the new nodes. Returns the head's hidden [B, M, dim]."""
+        B, M = tokens.shape
+        start, self.n = self.n, self.n + M
+        self.parents[:, start:self.n] = parents.to(torch.int32)
+        num_nodes = torch.full((B,), self.n, dtype=torch.int32, device=tokens.device)
+        tree_mask, _ = ops.build_tree_mask(self.parents[:, :self.n].contiguous(), num_nodes)
+        positions = (self.base + depth)[:, None].expand(B, M)
+        return self.head(tokens, features, self.cache, self.slots, self.base, start, num_nodes,
+                         tree_mask, positions)
+
+
+def draft_chain(spec, head, state, cache, slots, root_tokens, sampling) -> Draft:
+    """K = spec.depth drafts in a line; head node d is draft node d (same indices)."""
+    B, K = root_tokens.shape[0], spec.depth
+    dev = root_tokens.device
+    tokens = torch.zeros(B, K + 1, dtype=torch.long, device=dev)
+    tokens[:, 0] = root_tokens
+    parents = torch.arange(-1, K, dtype=torch.int32, device=dev).expand(B, K + 1).contiguous()
+    sampled = sampling.any_random
+    draft_probs = torch.zeros(B, K + 1, state.logits.shape[-1], device=dev) if sampled else None
+    tree = HeadTree(head, cache, slots, K)
+    feature, logits = state.hidden, state.logits
+    for d in range(1, K + 1):
+        if sampled:
+            q = draft_distribution(logits, sampling)
+            tokens[:, d] = sample_rows(q, sampling.generators)
+            draft_probs[:, d - 1] = q
+        else:
+            tokens[:, d] = logits.argmax(-1)
+        if d < K:
+            parent = torch.full((B, 1), d - 1, device=dev)
+            hidden = tree.add(tokens[:, d:d + 1], feature[:, None], parent, depth=d)
+            feature = hidden[:, 0]
+            logits = head.logits(feature)
+    return Draft(tokens, parents, torch.full((B,), K + 1, dtype=torch.int32, device=dev), draft_probs)
+
+
+def draft_dynamic(spec, head, state, cache, slots, root_tokens) -> Draft:
+    """EAGLE-2: expand the TOPK best frontier nodes per level, keep the best TOTAL - 1.
+
+    Candidates are numbered in creation order (level by level), so a parent's number is
+    below its children's; a child's score (cumulative log-prob) is <= its parent's. A
+    stable descending sort therefore ranks every parent before its children: the top
+    TOTAL - 1 are closed under ancestors and already in topological order."""
+    B, K, D = root_tokens.shape[0], spec.topk, spec.depth
+    dev = root_tokens.device
+    tree = HeadTree(head, cache, slots, spec.head_nodes)
+
+    scores, front_tok = torch.log_softmax(state.logits, -1).topk(K, dim=-1)  # [B, K]
+    cand_scores, cand_tokens = [scores], [front_tok]
+    cand_parents = [torch.full((B, K), -1, dtype=torch.long, device=dev)]  # -1: the root
+    front_cand = torch.arange(K, device=dev).expand(B, K)  # candidate numbers of the frontier
+    front_feat = state.hidden[:, None].expand(B, K, -1)
+    front_head_parent = torch.zeros(B, K, dtype=torch.long, device=dev)
+    num_cand = K
+    for d in range(1, D):
+        start = tree.n
+        hidden = tree.add(front_tok, front_feat, front_head_parent, depth=d)  # [B, K, dim]
+        child_lp, child_tok = torch.log_softmax(head.logits(hidden), -1).topk(K, dim=-1)  # [B, K, K]
+        child_scores = (scores[:, :, None] + child_lp).flatten(1)  # [B, K*K]
+        cand_scores.append(child_scores)
+        cand_tokens.append(child_tok.flatten(1))
+        cand_parents.append(front_cand[:, :, None].expand(B, K, K).flatten(1))
+        scores, best = child_scores.topk(K, dim=-1)  # next frontier
+        front_cand = num_cand + best
+        front_tok = child_tok.flatten(1).gather(1, best)
+        front_feat = hidden.gather(1, (best // K)[..., None].expand(-1, -1, hidden.shape[-1]))
+        front_head_parent = start + best // K
+        num_cand += K * K
+
+    all_scores = torch.cat(cand_scores, 1)
+    all_tokens = torch.cat(cand_tokens, 1)
+    all_parents = torch.cat(cand_parents, 1)
+    N = min(spec.total - 1, num_cand)
+    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :N]  # [B, N]
+    node_of = torch.zeros(B, num_cand, dtype=torch.long, device=dev)  # candidate -> tree node
+    node_of.scatter_(1, order, torch.arange(1, N + 1, device=dev).expand(B, N))
+    parent_cand = all_parents.gather(1, order)
+    tree_parent = torch.where(parent_cand < 0, 0, node_of.gather(1, parent_cand.clamp(min=0)))
+
+    T = spec.num_nodes
+    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+    parents = torch.full((B, T), -1, dtype=torch.int32, device=dev)
+    tokens[:, 0] = root_tokens
+    tokens[:, 1:N + 1] = all_tokens.gather(1, order)
+    parents[:, 1:N + 1] = tree_parent.to(torch.int32)
+    return Draft(tokens, parents, torch.full((B,), N + 1, dtype=torch.int32, device=dev))
+
+
+def draft_distribution(logits, sampling: BatchSampling):
+    """logits [B, V] -> q [B, V]: the request's temperature / top-k / top-p applied to the
+    head's logits (one-hot argmax for greedy rows). Any q is exact as long as the draft is
+    drawn from it; matching the target's processing just keeps acceptance high."""
+    greedy = sampling.temperature <= 0
+    temp = torch.where(greedy, 1.0, sampling.temperature)[:, None]
+    probs = torch.softmax(logits.float() / temp, dim=-1)
+    V = logits.shape[-1]
+    k = torch.where(sampling.top_k > 0, sampling.top_k, V).clamp(max=V).long()
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted = (rank < k[:, None]) & (mass_before < sampling.top_p[:, None])
+    keep = torch.zeros_like(keep_sorted).scatter_(1, sorted_idx, keep_sorted)
+    probs = probs * keep
+    probs = probs / probs.sum(-1, keepdim=True)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), V).to(probs.dtype)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sample_rows(probs, generators):
+    """Inverse-CDF sample of each row of probs [B, V] with that row's generator -> long [B]."""
+    u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators]).to(probs.device)
+    cum = probs.cumsum(-1)
+    idx = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
+    # u * total can round up to the total: fall back to the last token with mass
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(idx, last)

@@ -1,0 +1,319 @@
+"""The EAGLE draft head (EAGLE-1/2 and EAGLE-3) and its checkpoint loader.
+
+EAGLE-1/2 (Li et al. 2024): x = fc([embed(token); feature]) (2*dim -> dim), then one Llama
+decoder layer whose attention reads x directly (the official first layer has no
+input_layernorm); its output is a predicted *target feature* (the target's final-norm
+hidden), so the target's own lm_head turns it into logits.
+
+EAGLE-3 (Li et al. 2025): the target feature is the concatenation of three decoder-layer
+outputs (low, mid, high), fused by fc (3*dim -> dim). The decoder layer's attention reads
+[input_layernorm(embed(token)); hidden_norm(feature)] (2*dim), the residual stream is the
+feature; the head has its own final norm and lm_head over a (possibly reduced) draft
+vocabulary, mapped back with d2t offsets: target_id = draft_id + d2t[draft_id].
+
+Both share the target's token embedding. At draft depths >= 2 the "feature" is the head's
+own output at the parent node (dim wide, so EAGLE-3 skips fc), exactly as upstream.
+
+Attention runs over the head's own 1-layer PagedKVCache through tree_verify; the caller
+(drafting.HeadTree, engine) says which tree nodes are new.
+"""
+import json
+import os
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import specdec_kernels.ops as ops
+
+from .cache import PagedKVCache
+from .config import ModelArgs
+from .errors import HeadMismatchError, ModelLoadError
+from .model import RMSNorm, TransformerBlock, inv_freq, rotate_half
+
+# official EAGLE key of each fused / renamed parameter of our layer
+_LAYER_KEYS = {
+    "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "wo": ("self_attn.o_proj",),
+    "w13": ("mlp.gate_proj", "mlp.up_proj"),
+    "w2": ("mlp.down_proj",),
+    "ffn_norm": ("post_attention_layernorm",),
+}
+
+
+def eagle3_feature_layers(n_layers: int) -> tuple[int, int, int]:
+    """Decoder layers whose outputs EAGLE-3 fuses: upstream captures the *inputs* of layers
+    2, L // 2 and L - 3, i.e. the outputs of layers 1, L // 2 - 1 and L - 4 (first, middle
+    and last layer for tiny test models where those collide)."""
+    layers = (1, n_layers // 2 - 1, n_layers - 4)
+    if not 0 <= layers[0] < layers[1] < layers[2]:
+        layers = (0, (n_layers - 1) // 2, n_layers - 1)
+    return layers
+
+
+class EagleHead(nn.Module):
+    def __init__(self, args: ModelArgs, target, version: int = 2, draft_vocab_size: int | None = None,
+                 fc_bias: bool = False, feature_layers: tuple[int, ...] | None = None):
+        super().__init__()
+        if version not in (1, 2, 3):
+            raise ValueError(f"EAGLE version must be 1, 2 or 3, got {version}")
+        self.args, self.version = args, version
+        self._target = (target,)  # shared embedding / lm_head; a tuple keeps it out of state_dict
+        dim = args.dim
+        self.layer = TransformerBlock(args)
+        if version < 3:
+            self.fc = nn.Linear(2 * dim, dim, bias=fc_bias)
+            self.layer.attention_norm = nn.Identity()
+            self.feature_layers = ()
+        else:
+            self.fc = nn.Linear(3 * dim, dim, bias=fc_bias)
+            self.layer.wqkv = nn.Linear(2 * dim, self.layer.wqkv.out_features, bias=args.attention_bias)
+            self.layer.attention_norm = RMSNorm(dim, args.norm_eps)  # official input_layernorm
+            self.hidden_norm = RMSNorm(dim, args.norm_eps)
+            self.norm = RMSNorm(dim, args.norm_eps)
+            self.draft_vocab_size = draft_vocab_size or args.vocab_size
+            self.lm_head = nn.Linear(dim, self.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+            self.feature_layers = tuple(feature_layers or eagle3_feature_layers(target.args.n_layers))
+        self.register_buffer("inv_freq", inv_freq(args), persistent=False)
+        self.scale = args.head_dim ** -0.5
+        check_head_matches(self, target)
+
+    @property
+    def target(self):
+        return self._target[0]
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def random(cls, target, version: int = 2, seed: int = 0, draft_vocab_size: int | None = None):
+        """A freshly initialised head (transformers' init: N(0, 0.02) weights, unit norms),
+        same dtype / device as the target; acceptance will be near zero."""
+        args = replace(target.args, n_layers=1)
+        gen = torch.Generator().manual_seed(seed)
+        head = cls(args, target, version, draft_vocab_size)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if "norm" not in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.zeros(p.shape))
+            if version == 3 and head.draft_vocab_size < args.vocab_size:
+                ids = torch.randperm(args.vocab_size, generator=gen)[: head.draft_vocab_size].sort().values
+                head.d2t.copy_(ids - torch.arange(head.draft_vocab_size))
+        w = target.tok_embeddings.weight
+        return head.to(dtype=w.dtype, device=w.device)
+
+    def new_cache(self, num_slots, max_seq_len, block_size=16) -> PagedKVCache:
+        w = self.fc.weight
+        return PagedKVCache(1, self.args.n_kv_heads, self.args.head_dim, num_slots, max_seq_len,
+                            block_size, w.dtype, w.device)
+
+    # ------------------------------------------------------------------ compute
+    def select_features(self, hidden, aux):
+        """The target features this head reads: final-norm hidden (EAGLE-1/2) or the fused
+        layer outputs (EAGLE-3); works on [.., dim] tensors and per-request lists alike."""
+        return aux if self.version == 3 else hidden
+
+    def forward(self, tokens, features, cache: PagedKVCache, slots, cache_lens, start: int,
+                num_nodes, tree_mask, positions):
+        """Run the head on M new nodes of a tree over its cache.
+
+        tokens: long [B, M] (target ids); features: [B, M, F] (target features, or the head's
+        own hidden [.., dim] at the parent); the new rows are tree nodes start..start+M-1 of
+        a tree of T = tree_mask.shape[1] nodes whose node i sits at logical position
+        cache_lens[b] + i (earlier nodes are already cached); num_nodes: int32 [B] (rows at
+        or past it are padding: not written, output zero); positions: RoPE positions [B, M].
+        Returns hidden [B, M, dim] (the predicted feature of the next position).
+        """
+        B, M = tokens.shape
+        T = tree_mask.shape[1]
+        layer = self.layer
+        emb = self.target.tok_embeddings(tokens)
+        if self.version < 3:
+            x = self.fc(torch.cat((emb, features), dim=-1))
+            attn_in = x
+        else:
+            x = self.fc(features) if features.shape[-1] != self.args.dim else features
+            attn_in = torch.cat((layer.attention_norm(emb), self.hidden_norm(x)), dim=-1)
+
+        q, k, v = layer.wqkv(attn_in).split(layer.qkv_sizes, dim=-1)
+        q = q.view(B, M, layer.n_heads, layer.head_dim)
+        k = k.view(B, M, layer.n_kv_heads, layer.head_dim)
+        v = v.view(B, M, layer.n_kv_heads, layer.head_dim)
+        cos, sin = self._rope(positions)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        node = start + torch.arange(M, device=tokens.device)[None]
+        rows, picked = cache.rows(slots, cache_lens[:, None] + node, node < num_nodes[:, None])
+        cache.write_rows(0, rows, picked, k, v)
+        q_tree = q.new_zeros(B, T, layer.n_heads, layer.head_dim)  # earlier nodes: no query
+        q_tree[:, start:start + M] = q
+        attn = ops.tree_verify(q_tree, cache.k[0], cache.v[0], cache.block_table[slots], cache_lens,
+                               num_nodes, tree_mask, self.scale)[:, start:start + M]
+        x = x + layer.wo(attn.reshape(B, M, -1))
+        gate, up = layer.w13(layer.ffn_norm(x)).chunk(2, dim=-1)
+        return x + layer.w2(F.silu(gate) * up)
+
+    def logits(self, hidden):
+        """hidden [..., dim] -> float32 logits [..., V] over *target* ids (tokens outside
+        an EAGLE-3 draft vocabulary get -inf, so they are never drafted)."""
+        if self.version < 3:
+            return self.target.lm_head(hidden).float()
+        draft = self.lm_head(self.norm(hidden)).float()
+        if self.draft_vocab_size == self.args.vocab_size and not self.d2t.any():
+            return draft
+        out = draft.new_full((*draft.shape[:-1], self.args.vocab_size), float("-inf"))
+        ids = torch.arange(self.draft_vocab_size, device=hidden.device) + self.d2t
+        return out.index_copy_(-1, ids, draft)
+
+    def _rope(self, positions):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+
+    # ------------------------------------------------------------------ checkpoints
+    def official_state_dict(self) -> dict:
+        """Weights under the official EAGLE names (unfused q/k/v and gate/up)."""
+        prefix = "midlayer." if self.version == 3 else "layers.0."
+        sd = {"fc.weight": self.fc.weight}
+        if self.fc.bias is not None:
+            sd["fc.bias"] = self.fc.bias
+        for ours, theirs in _LAYER_KEYS.items():
+            mod = getattr(self.layer, ours)
+            sizes = self.layer.qkv_sizes if ours == "wqkv" else [mod.weight.shape[0] // len(theirs)] * len(theirs)
+            for name, w in zip(theirs, mod.weight.split(sizes)):
+                sd[f"{prefix}{name}.weight"] = w
+            if getattr(mod, "bias", None) is not None:
+                for name, b in zip(theirs, mod.bias.split(sizes)):
+                    sd[f"{prefix}{name}.bias"] = b
+        if self.version == 3:
+            sd.update({"midlayer.input_layernorm.weight": self.layer.attention_norm.weight,
+                       "midlayer.hidden_norm.weight": self.hidden_norm.weight,
+                       "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
+                       "d2t": self.d2t, "t2d": self._t2d()})
+        return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+    def _t2d(self):
+        t2d = torch.zeros(self.args.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(self.draft_vocab_size) + self.d2t.cpu()] = True
+        return t2d
+
+    def hf_config(self) -> dict:
+        a = self.args
+        cfg = {
+            "architectures": ["LlamaForCausalLMEagle3" if self.version == 3 else "LlamaForCausalLM"],
+            "model_type": "llama", "hidden_size": a.dim, "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
+            "intermediate_size": a.hidden_dim, "num_hidden_layers": 1, "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta, "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_position_embeddings, "hidden_act": "silu",
+            "eagle_version": self.version,
+        }
+        if a.rope_scaling:
+            cfg["rope_scaling"] = a.rope_scaling
+        if self.version == 3:
+            cfg["draft_vocab_size"] = self.draft_vocab_size
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
+        return cfg
+
+    def save(self, path: str):
+        """Our own format: config.json + model.safetensors with the official key names."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(self.hf_config(), f, indent=2)
+        save_file(self.official_state_dict(), os.path.join(path, "model.safetensors"))
+
+
+def check_head_matches(head: EagleHead, target):
+    t, h = target.args, head.args
+    if h.dim != t.dim:
+        raise HeadMismatchError(f"EAGLE head hidden size {h.dim} does not match the target's {t.dim}")
+    if h.vocab_size != t.vocab_size:
+        raise HeadMismatchError(
+            f"EAGLE head vocabulary {h.vocab_size} does not match the target's {t.vocab_size}")
+    layers = list(head.feature_layers)
+    if layers and not (layers == sorted(set(layers)) and 0 <= layers[0] and layers[-1] < t.n_layers):
+        raise HeadMismatchError(f"EAGLE-3 feature layers {layers} are not distinct increasing layers "
+                                f"of a {t.n_layers}-layer target")
+
+
+# ---------------------------------------------------------------------- loading
+def load_head(path: str, target) -> EagleHead:
+    """An EAGLE head directory: config.json plus model.safetensors / *.safetensors /
+    pytorch_model.bin, in the official EAGLE(-3) layout or ours (same names)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"EAGLE head {path!r}: no config.json (expected an EAGLE head directory)")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    sd = _read_weights(path)
+    version = 3 if any(k.startswith("midlayer.") for k in sd) else 2
+    try:
+        args = ModelArgs.from_hf_config({**cfg, "model_type": cfg.get("model_type", "llama"),
+                                         "num_hidden_layers": 1})
+    except KeyError as e:
+        raise ModelLoadError(f"EAGLE head {path!r}: config.json lacks {e}") from None
+    prefix = "midlayer." if version == 3 else "layers.0."
+    args = replace(args, attention_bias=f"{prefix}self_attn.q_proj.bias" in sd)
+    feature_layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    draft_vocab = sd["lm_head.weight"].shape[0] if version == 3 and "lm_head.weight" in sd else None
+    _check_fc(sd, args, version, target)
+    head = EagleHead(args, target, version, draft_vocab, fc_bias="fc.bias" in sd,
+                     feature_layers=tuple(feature_layers) if feature_layers else None)
+    _load_official(head, sd, prefix, path)
+    w = target.tok_embeddings.weight
+    return head.to(dtype=w.dtype, device=w.device).eval()
+
+
+def _read_weights(path: str) -> dict:
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        sd = {}
+        for f in files:
+            sd.update(load_file(os.path.join(path, f)))
+        return sd
+    bin_path = os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(bin_path):
+        return torch.load(bin_path, map_location="cpu", weights_only=True)
+    raise ModelLoadError(f"EAGLE head {path!r}: no *.safetensors or pytorch_model.bin next to config.json")
+
+
+def _check_fc(sd, args, version, target):
+    if "fc.weight" not in sd:
+        raise ModelLoadError("EAGLE head checkpoint has no fc.weight")
+    want = (3 if version == 3 else 2) * target.args.dim
+    got = tuple(sd["fc.weight"].shape)
+    if got != (target.args.dim, want):
+        raise HeadMismatchError(
+            f"EAGLE-{version} head fc.weight is {list(got)}, expected [{target.args.dim}, {want}] "
+            f"for a target of hidden size {target.args.dim}")
+
+
+def _load_official(head: EagleHead, sd: dict, prefix: str, path: str):
+    ours = {"fc.weight": sd["fc.weight"]}
+    if "fc.bias" in sd:
+        ours["fc.bias"] = sd["fc.bias"]
+    try:
+        for name, theirs in _LAYER_KEYS.items():
+            for kind in ("weight", "bias"):
+                parts = [sd.get(f"{prefix}{t}.{kind}") for t in theirs]
+                if all(p is not None for p in parts):
+                    ours[f"layer.{name}.{kind}"] = torch.cat(parts)
+        if head.version == 3:
+            ours.update({"layer.attention_norm.weight": sd["midlayer.input_layernorm.weight"],
+                         "hidden_norm.weight": sd["midlayer.hidden_norm.weight"],
+                         "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"],
+                         "d2t": sd.get("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long))})
+    except KeyError as e:
+        raise ModelLoadError(f"EAGLE head {path!r}: missing weight {e}") from None
+    expected = {k: v.shape for k, v in head.state_dict().items()}
+    missing = sorted(set(expected) - set(ours))
+    if missing:
+        raise ModelLoadError(f"EAGLE head {path!r}: missing weights {missing}")
+    for k, v in ours.items():
+        if tuple(v.shape) != tuple(expected[k]):
+            raise HeadMismatchError(f"EAGLE head {path!r}: {k} has shape {list(v.shape)}, "
+                                    f"expected {list(expected[k])}")
+    head.load_state_dict(ours)

@@ -1,0 +1,358 @@
+"""The batched speculative decode loop (and, with the drafter off, plain decoding).
+
+One step for the B active requests:
+    draft -> build_tree_mask -> target verify forward -> tree_rejection_sample
+          -> compact_kv + commit (target) -> head extend (EAGLE) -> emit.
+Plain decoding is the same loop with the one-node tree (root only, T = 1); the first token
+after prefill is sampled the same way, on a one-node tree over the prefill logits.
+
+Requests advance together with different accepted lengths; a finished one (EOS, max
+tokens, stop string, full cache) frees its slot for the next queued request. Each request
+has its own torch.Generator feeding its uniforms (and chain-draft samples), so what it
+generates does not depend on its batch-mates.
+
+EAGLE head cache: positions 0..n-1 hold the head's pass over (token t+1, target feature t)
+pairs with the target's true features. Its draft tree is scratch space past n - 1
+(drafting.HeadTree); after acceptance the head re-runs the accepted pairs with the
+target's true features at positions n..n+a (as upstream EAGLE and SGLang do: the draft
+KV was computed from the head's own predicted features), so committing it is advancing
+cache_lens — the positions are already contiguous and compaction would be the identity.
+"""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import specdec_kernels.ops as ops
+
+from . import drafting
+from .drafting import BatchSampling, DraftState, TreeSpec
+from .errors import InvalidRequestError
+from .stats import Stats, timed
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None  # None: drawn from torch's global RNG
+    max_new_tokens: int = 128
+    stop: tuple = ()  # stop strings (need a tokenizer)
+    ignore_eos: bool = False
+
+    def validate(self):
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not (t >= 0 and t < float("inf")):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+
+
+@dataclass
+class Request:
+    prompt_ids: list
+    params: SamplingParams = field(default_factory=SamplingParams)
+    id: object = None  # defaults to the request's index in the submitted list
+    prompt: str | None = None  # the original text, echoed in the Result
+
+
+@dataclass
+class Result:
+    request_id: object
+    prompt: str | None
+    prompt_ids: list
+    token_ids: list  # generated tokens (an EOS that ended the request included)
+    text: str | None  # decoded (stop string cut off); None without a tokenizer
+    finish_reason: str  # "eos" | "stop" | "length"
+    stats: Stats
+
+
+@dataclass
+class _Seq:
+    """A request while it runs."""
+
+    index: int
+    req: Request
+    slot: int
+    generator: torch.Generator
+    stats: Stats
+    arrival: float
+    first_token_time: float = 0.0
+    tokens: list = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+class Engine:
+    """Speculative (head given) or plain (head=None) decoding of batches of requests.
+
+    model: specdec.model.Transformer; tokenizer: for EOS ids, stop strings and text (optional);
+    head: an EagleHead or None; tree: TreeSpec or its string form ("chain:4",
+    "dynamic:5,8,32"); batch_size: requests decoded together; max_seq_len: cache positions
+    per request (prompt + generated)."""
+
+    def __init__(self, model, tokenizer=None, head=None, tree=TreeSpec.DEFAULT, batch_size: int = 1,
+                 max_seq_len: int | None = None, block_size: int = 16, eos_token_ids=None):
+        self.model, self.tokenizer, self.head = model, tokenizer, head
+        self.tree = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+        self.batch_size = batch_size
+        self.device = model.tok_embeddings.weight.device
+        max_pos = model.args.max_position_embeddings
+        max_seq_len = max_seq_len or min(2048, max_pos)
+        # Padded tree nodes are addressed (not written) past a request's last position, so
+        # both caches keep T positions of slack beyond `capacity`, the per-request limit.
+        T = self.tree.num_nodes if head is not None else 1
+        self.cache = model.new_cache(batch_size, min(max_seq_len + T, max_pos), block_size)
+        self.capacity = min(max_seq_len, self.cache.capacity - T)
+        self.feature_layers = head.feature_layers if head is not None else ()
+        if head is not None:
+            # plus the head's scratch draft tree past its last committed position
+            self.head_cache = head.new_cache(batch_size, self.capacity + max(T, self.tree.head_nodes), block_size)
+            self.draft_state = DraftState(
+                torch.zeros(batch_size, model.args.dim, device=self.device),
+                torch.zeros(batch_size, model.args.vocab_size, device=self.device))
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
+        self.eos_token_ids = set(eos_token_ids)
+
+    @property
+    def method(self) -> str:
+        return "plain" if self.head is None else "eagle"
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, requests, progress=None):
+        """Runs every request to completion -> (list[Result] in input order, aggregate Stats).
+        progress: optional callable(result) invoked as each request finishes."""
+        run = self.stream(requests, on_finish=progress)
+        for _ in run:
+            pass
+        return run.results, run.stats
+
+    def stream(self, requests, on_finish=None) -> "Run":
+        """An iterator of (request_id, new_token_ids) as tokens are accepted; once it is
+        exhausted, .results and .stats hold the outputs. Requests are validated here."""
+        requests = [r if isinstance(r, Request) else Request(list(r)) for r in requests]
+        for i, r in enumerate(requests):
+            if r.id is None:
+                r.id = i
+            self.validate(r)
+        return Run(self, requests, on_finish)
+
+    def validate(self, req: Request):
+        req.params.validate()
+        n, V = len(req.prompt_ids), self.model.args.vocab_size
+        if n == 0:
+            raise InvalidRequestError(f"request {req.id!r}: empty prompt")
+        if n > self.capacity:
+            raise InvalidRequestError(f"request {req.id!r}: prompt of {n} tokens is longer than the "
+                                      f"cache ({self.capacity} positions per request)")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
+            raise InvalidRequestError(f"request {req.id!r}: prompt token ids must be in [0, {V})")
+        if req.params.stop and self.tokenizer is None:
+            raise InvalidRequestError(f"request {req.id!r}: stop strings need a tokenizer")
+
+    # ------------------------------------------------------------------ one batch step
+    def prefill(self, seqs: list, all_stats: list):
+        """Prompt forward of newly admitted requests, first token on a one-node tree, and
+        the head's pass over the prompt. Returns the first tokens (long [B])."""
+        slots = self._slots(seqs)
+        prompts = [torch.tensor(s.req.prompt_ids, device=self.device) for s in seqs]
+        with timed(self.device, "prefill", all_stats):
+            out = self.model.prefill(prompts, self.cache, slots, self.feature_layers)
+            B = len(seqs)
+            root = drafting.plain_draft(torch.zeros(B, dtype=torch.long, device=self.device))
+            _, _, first = self._sample(seqs, out.logits[:, None], root)
+            first = first[:, 0].long()
+            if self.head is not None:
+                self._head_prefill(seqs, slots, prompts, first, out)
+        return first
+
+    def step(self, seqs: list, all_stats: list):
+        """One draft / verify / accept round. Returns (output_tokens int32 [B, T] -1 padded,
+        num_accepted int32 [B])."""
+        slots = self._slots(seqs)
+        roots = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
+        room = self.capacity - self.cache.cache_lens[slots]
+        with timed(self.device, "draft", all_stats):
+            if self.head is None:
+                d = drafting.plain_draft(roots)
+            else:
+                d = drafting.draft(self.tree, self.head, self.draft_state.select(slots), self.head_cache,
+                                   slots, roots, self._sampling(seqs))
+            d = d.truncate(room)
+        with timed(self.device, "verify", all_stats):
+            tree_mask, depth = ops.build_tree_mask(d.parents, d.num_nodes)
+            out = self.model(d.tokens, self.cache, slots, d.num_nodes, tree_mask, depth, self.feature_layers)
+        with timed(self.device, "sample", all_stats):
+            accepted_nodes, num_accepted, output_tokens = self._sample(seqs, out.logits, d)
+        with timed(self.device, "compact", all_stats):
+            ops.compact_kv(self.cache.k, self.cache.v, self.cache.block_table[slots],
+                           self.cache.cache_lens[slots], accepted_nodes, num_accepted)
+            self.cache.cache_lens[slots] += num_accepted + 1
+        if self.head is not None:
+            with timed(self.device, "draft", all_stats):
+                features = self.head.select_features(out.hidden, out.aux)
+                path_features = features.gather(
+                    1, accepted_nodes.long().clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
+                self._head_extend(slots, output_tokens.long().clamp(min=0), path_features, num_accepted + 1)
+        tree_depth = depth.max(dim=1).values.tolist()
+        for s, a, n, dep in zip(seqs, num_accepted.tolist(), d.num_nodes.tolist(), tree_depth):
+            s.stats.record_step(a, n, dep)
+        return output_tokens, num_accepted
+
+    # ------------------------------------------------------------------ helpers
+    def _slots(self, seqs):
+        return torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+
+    def _sampling(self, seqs) -> BatchSampling:
+        p = [s.req.params for s in seqs]
+        return BatchSampling(
+            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32, device=self.device),
+            top_k=torch.tensor([x.top_k for x in p], dtype=torch.int32, device=self.device),
+            top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
+            generators=[s.generator for s in seqs])
+
+    def _sample(self, seqs, logits, d):
+        """tree_rejection_sample with each request's parameters and its own uniforms."""
+        sp = self._sampling(seqs)
+        uniforms = ops.make_uniforms(len(seqs), logits.shape[1], self.device, sp.generators)
+        return ops.tree_rejection_sample(logits, d.tokens, d.parents, d.num_nodes, d.draft_probs,
+                                         sp.temperature, sp.top_k, sp.top_p, uniforms)
+
+    def _head_prefill(self, seqs, slots, prompts, first, out):
+        """The head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair using
+        the first generated token."""
+        features = self.head.select_features(out.hidden, out.aux)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
+        S = int(lengths.max())
+        tokens = torch.zeros(len(seqs), S, dtype=torch.long, device=self.device)
+        feats = features[0].new_zeros(len(seqs), S, features[0].shape[-1])
+        for b, (p, f) in enumerate(zip(prompts, features)):
+            tokens[b, : len(p)] = torch.cat((p[1:], first[b:b + 1]))
+            feats[b, : len(p)] = f
+        self.head_cache.reset(slots)
+        self._head_extend(slots, tokens, feats, lengths)
+
+    def _head_extend(self, slots, tokens, features, counts):
+        """Appends counts[b] (token, target feature) pairs to the head's cache of each slot and
+        stores the head's prediction after the last one as the next drafting state.
+        tokens: long [B, M]; features: [B, M, F]; counts: int [B] in [1, M]."""
+        B, M = tokens.shape
+        counts = counts.to(torch.int32)
+        parents = torch.arange(-1, M - 1, dtype=torch.int32, device=self.device).expand(B, M).contiguous()
+        tree_mask, depth = ops.build_tree_mask(parents, counts)
+        lens = self.head_cache.cache_lens[slots]
+        hidden = self.head(tokens, features, self.head_cache, slots, lens, 0, counts, tree_mask,
+                           lens[:, None] + depth)
+        self.head_cache.cache_lens[slots] += counts
+        last = hidden[torch.arange(B, device=self.device), counts.long() - 1]
+        self.draft_state.hidden[slots] = last.to(self.draft_state.hidden.dtype)
+        self.draft_state.logits[slots] = self.head.logits(last)
+
+
+class Run:
+    """One generate()/stream() call: the request queue, the active batch, the results."""
+
+    def __init__(self, engine: Engine, requests: list, on_finish=None):
+        self.engine, self.on_finish = engine, on_finish
+        self.queue = list(requests)
+        self.results = [None] * len(requests)
+        self.per_request = [None] * len(requests)
+        self.engine_stats = Stats(num_requests=len(requests))  # run-level time split
+        self.stats = None
+        self._events = self._loop()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._events)
+
+    def _loop(self):
+        eng = self.engine
+        start = time.perf_counter()
+        free = list(range(eng.batch_size))
+        active, index = [], 0
+        with torch.inference_mode():
+            while self.queue or active:
+                new = []
+                while free and self.queue:
+                    req = self.queue.pop(0)
+                    new.append(self._admit(req, index, free.pop(0), start))
+                    index += 1
+                if new:
+                    first = eng.prefill(new, [self.engine_stats] + [s.stats for s in new])
+                    for s, tok in zip(new, first.tolist()):
+                        s.first_token_time = time.perf_counter()
+                        yield from self._emit(s, [tok])
+                    active += new
+                active = self._retire(active, free)
+                if not active:
+                    continue
+                out_tokens, num_accepted = eng.step(active, [self.engine_stats] + [s.stats for s in active])
+                for s, toks, a in zip(active, out_tokens.tolist(), num_accepted.tolist()):
+                    yield from self._emit(s, toks[: a + 1])
+                active = self._retire(active, free)
+        self.stats = Stats.aggregate(self.per_request, self.engine_stats.time_s, time.perf_counter() - start)
+
+    def _admit(self, req, index, slot, arrival):
+        seed = req.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        gen = torch.Generator(self.engine.device).manual_seed(seed)
+        return _Seq(index, req, slot, gen, Stats(), arrival)
+
+    def _emit(self, s: _Seq, new_tokens: list):
+        """Appends accepted tokens up to EOS / max tokens / a stop string; yields what was kept."""
+        eng, p = self.engine, s.req.params
+        kept = []
+        for tok in new_tokens:
+            s.tokens.append(tok)
+            kept.append(tok)
+            if not p.ignore_eos and tok in eng.eos_token_ids:
+                s.finish_reason = "eos"
+            elif p.stop and self._hit_stop(s):
+                s.finish_reason = "stop"
+            elif len(s.tokens) >= p.max_new_tokens:
+                s.finish_reason = "length"
+            if s.finish_reason:
+                break
+        s.stats.generated_tokens += len(kept)
+        if s.finish_reason is None and len(s.req.prompt_ids) + len(s.tokens) > eng.capacity:
+            s.finish_reason = "length"  # no cache position left for the next root token
+        if kept:
+            yield s.req.id, kept
+
+    def _hit_stop(self, s: _Seq) -> bool:
+        text = self.engine.tokenizer.decode(s.tokens)
+        cuts = [text.find(stop) for stop in s.req.params.stop if stop in text]
+        if cuts:
+            s.text = text[: min(cuts)]
+        return bool(cuts)
+
+    def _retire(self, active, free):
+        still = []
+        for s in active:
+            if s.finish_reason is None:
+                still.append(s)
+                continue
+            free.append(s.slot)
+            self._finish(s)
+        return still
+
+    def _finish(self, s: _Seq):
+        eng = self.engine
+        s.stats.finish(s.arrival, s.first_token_time, time.perf_counter())
+        if s.text is None and eng.tokenizer is not None:
+            s.text = eng.tokenizer.decode(s.tokens)
+        result = Result(s.req.id, s.req.prompt, list(s.req.prompt_ids), list(s.tokens), s.text,
+                        s.finish_reason, s.stats)
+        self.results[s.index] = result
+        self.per_request[s.index] = s.stats
+        if self.on_finish is not None:
+            self.on_finish(result)

@@ -1,0 +1,290 @@
+"""End-to-end exactness of the decode loop (float32, CPU).
+
+Greedy speculative decoding must reproduce greedy plain decoding token for token; sampled
+speculative decoding must follow the target's distribution (two-sample test against plain
+decoding, which fails for a deliberately broken sampler). Tiny random models with a small
+vocabulary make acceptance frequent even for random heads; the "oracle" head (which
+predicts the target's residual-free next token) makes it frequent for long chains.
+"""
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import specdec_kernels.ops as ops
+from specdec import engine as engine_module
+from specdec.config import ModelArgs
+from specdec.eagle import EagleHead
+from specdec.engine import Engine, Request, SamplingParams
+from specdec.errors import InvalidRequestError
+from specdec.model import Transformer
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny matmuls: intra-op threads only add synchronisation (10x slower on a busy box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
+
+
+def tiny_model(vocab_size=32, layer_scale=0.005, seed=0):
+    """A random 3-layer model; layer_scale shrinks the layers' contribution to the residual
+    stream, so the next token is mostly a function of the current one (predictable)."""
+    args = ModelArgs(vocab_size=vocab_size, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
+                     hidden_dim=64, tie_word_embeddings=False, max_position_embeddings=256)
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() > 1 else 0.1))
+        for layer in model.layers:
+            layer.wo.weight.mul_(layer_scale)
+            layer.w2.weight.mul_(layer_scale)
+    return model
+
+
+def oracle_head(model):
+    """EAGLE-2 head whose output is the embedding of its input token: fc = [I, 0], no
+    attention / MLP contribution; the target's lm_head then scores it much like the target."""
+    head = EagleHead.random(model, version=2, seed=0)
+    dim = model.args.dim
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :dim] = torch.eye(dim)
+        head.layer.wo.weight.zero_()
+        head.layer.w2.weight.zero_()
+    return head
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Predictable: the oracle head's drafts are accepted often (but not always)."""
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def contextual_model():
+    """Full-strength random layers: the next token depends on the whole context, so any
+    KV-cache / attention mistake changes the output."""
+    return tiny_model(layer_scale=1.0, seed=1)
+
+
+def run(model, head, tree, batch_size, params=None, prompts=PROMPTS, **kw):
+    eng = Engine(model, head=head, tree=tree, batch_size=batch_size, max_seq_len=96, **kw)
+    params = params or SamplingParams(max_new_tokens=24)
+    results, stats = eng.generate([Request(p, params) for p in prompts])
+    return [r.token_ids for r in results], stats
+
+
+@pytest.mark.parametrize("head_kind", ["oracle-eagle2", "random-eagle3"])
+@pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,3,10"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_greedy_speculative_equals_plain(model, contextual_model, head_kind, tree, batch_size):
+    """batch_size 3 < 4 prompts: the last request takes a slot freed mid-run. The random head
+    still gets drafts accepted now and then: 32 tokens, several candidates per node."""
+    if head_kind == "oracle-eagle2":
+        head = oracle_head(model)
+    else:
+        model = contextual_model
+        head = EagleHead.random(model, version=3, seed=1)
+    plain, plain_stats = run(model, None, tree, batch_size)
+    spec, stats = run(model, head, tree, batch_size)
+    assert spec == plain
+    assert plain_stats.mean_acceptance_length == 1.0
+    assert stats.target_forwards < plain_stats.target_forwards  # drafts were really accepted
+    if head_kind == "oracle-eagle2":
+        assert stats.mean_acceptance_length > 1.5
+
+
+def test_greedy_mixed_lengths_and_cache_limit(model):
+    """Different max_new_tokens per request and a cache that fills up: 'length', no crash;
+    outputs still match plain decoding."""
+    head = oracle_head(model)
+    reqs = lambda: [Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, (3, 40, 7, 60))]
+    outs = []
+    for h in (None, head):
+        eng = Engine(model, head=h, tree="dynamic:4,3,10", batch_size=2, max_seq_len=32)
+        results, _ = eng.generate(reqs())
+        outs.append(results)
+    for plain, spec in zip(*outs):
+        assert spec.token_ids == plain.token_ids
+        assert spec.finish_reason == plain.finish_reason == "length"
+    # prompts + generated never exceed the cache by more than the uncached last token
+    for r, n in zip(outs[1], (3, 40, 7, 60)):
+        assert len(r.token_ids) == min(n, 32 + 1 - len(r.prompt_ids))
+
+
+def test_eos_and_stream(model):
+    plain, _ = run(model, None, "chain:1", 1)
+    eos = plain[0][5]  # the 6th generated token of prompt 0 ends it
+    eng = Engine(model, head=oracle_head(model), tree="chain:4", batch_size=2, max_seq_len=96,
+                 eos_token_ids=[eos])
+    run_ = eng.stream([Request(p, SamplingParams(max_new_tokens=24)) for p in PROMPTS])
+    streamed = {}
+    for rid, new in run_:
+        assert new, "every event carries at least one token"
+        streamed.setdefault(rid, []).extend(new)
+    r0 = run_.results[0]
+    assert r0.finish_reason == "eos" and r0.token_ids == plain[0][: plain[0].index(eos) + 1]
+    assert all(streamed[r.request_id] == r.token_ids for r in run_.results)
+    assert run_.stats.generated_tokens == sum(len(r.token_ids) for r in run_.results)
+
+
+class CharTokenizer:
+    eos_token_ids = set()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_string(model):
+    plain, _ = run(model, None, "chain:1", 1)
+    text = CharTokenizer().decode(plain[0])
+    stop = text[6:8]
+    cut = text.find(stop)
+    eng = Engine(model, CharTokenizer(), head=oracle_head(model), tree="chain:4", max_seq_len=96)
+    (r,), _ = eng.generate([Request(PROMPTS[0], SamplingParams(max_new_tokens=24, stop=(stop,)))])
+    assert r.finish_reason == "stop" and r.text == text[:cut]
+    assert r.token_ids == plain[0][: cut + len(stop)]  # up to the token completing the stop string
+
+
+def test_sampled_request_independent_of_batch(model):
+    """A seeded request generates the same tokens alone and next to other requests."""
+    head = oracle_head(model)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_new_tokens=16)
+    for tree in ("chain:3", "dynamic:3,3,8"):
+        eng = Engine(model, head=head, tree=tree, batch_size=3, max_seq_len=96)
+        alone, _ = eng.generate([Request(PROMPTS[2], params)])
+        mates = [Request(p, SamplingParams(temperature=1.0, seed=i, max_new_tokens=20)) for i, p in enumerate(PROMPTS)]
+        mixed, _ = eng.generate(mates[:2] + [Request(PROMPTS[2], params)] + mates[2:])
+        assert mixed[2].token_ids == alone[0].token_ids
+
+
+def test_stats(model):
+    _, stats = run(model, oracle_head(model), "chain:4", 2)
+    d = stats.to_dict()
+    assert d["generated_tokens"] == 4 * 24 and d["num_requests"] == 4
+    assert sum(d["first_rejection_hist"]) == d["target_forwards"]
+    assert len(d["acceptance_rate"]) == 4 and all(0 <= r <= 1 for r in d["acceptance_rate"])
+    assert d["nodes_per_step"] == 5.0
+    assert d["mean_acceptance_length"] == pytest.approx(
+        sum((a + 1) * n for a, n in enumerate(d["first_rejection_hist"])) / d["target_forwards"])
+    assert all(d["time_s"][p] > 0 for p in ("prefill", "draft", "verify", "sample", "compact"))
+    assert d["tokens_per_s"] > 0 and d["ttft_s"] > 0 and d["tpot_s"] > 0
+
+
+@pytest.mark.parametrize("bad", [
+    dict(prompt=[]),
+    dict(prompt=list(range(20)) * 5),  # 100 tokens > 96 cache positions
+    dict(prompt=[1, 99]),  # out of vocabulary
+    dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
+    dict(top_k=-2), dict(max_new_tokens=0),
+])
+def test_invalid_requests(model, bad):
+    prompt = bad.pop("prompt", [1, 2, 3])
+    eng = Engine(model, max_seq_len=96)
+    with pytest.raises(InvalidRequestError):
+        eng.generate([Request(prompt, SamplingParams(**bad))])
+
+
+# ---------------------------------------------------------------------- distribution
+N_SEEDS = 3000
+N_TOKENS = 3
+
+
+def first_tokens(model, head, tree, params):
+    """[N_SEEDS, N_TOKENS] generated tokens, one seeded request per row."""
+    eng = Engine(model, head=head, tree=tree, batch_size=250, max_seq_len=32)
+    reqs = [Request([1, 2, 3], SamplingParams(**params, seed=s, max_new_tokens=N_TOKENS)) for s in range(N_SEEDS)]
+    results, _ = eng.generate(reqs)
+    return torch.tensor([r.token_ids for r in results])
+
+
+def same_distribution_pvalue(a, b):
+    """Smallest p-value of chi-square two-sample tests: per position, and for the joint of the
+    first two tokens (cells with few samples pooled)."""
+    pvals = []
+    columns = [a[:, i] for i in range(N_TOKENS)], [b[:, i] for i in range(N_TOKENS)]
+    columns[0].append(a[:, 0] * 1000 + a[:, 1])
+    columns[1].append(b[:, 0] * 1000 + b[:, 1])
+    for x, y in zip(*columns):
+        cells = torch.cat((x, y)).unique()
+        table = torch.stack([(x[:, None] == cells).sum(0), (y[:, None] == cells).sum(0)])
+        big = table.sum(0) >= 10
+        table = torch.cat((table[:, big], table[:, ~big].sum(1, keepdim=True)), 1)
+        table = table[:, table.sum(0) > 0]
+        pvals.append(chi2_contingency(table.numpy())[1])
+    return min(pvals)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return tiny_model(vocab_size=16, layer_scale=0.01, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain_samples(small_vocab_model):
+    return {key: first_tokens(small_vocab_model, None, "chain:1", params)
+            for key, params in SAMPLING.items()}
+
+
+SAMPLING = {"t1": dict(temperature=1.0), "filtered": dict(temperature=0.7, top_k=6, top_p=0.9)}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("tree", ["chain:3", "dynamic:3,3,8"])
+def test_sampled_speculative_follows_target(small_vocab_model, plain_samples, tree, sampling):
+    head = oracle_head(small_vocab_model)
+    spec = first_tokens(small_vocab_model, head, tree, SAMPLING[sampling])
+    assert same_distribution_pvalue(spec, plain_samples[sampling]) > 1e-3
+
+
+def always_accept(target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k,
+                  top_p, uniforms):
+    """A broken sampler: follows the first child down to a leaf, accepting every draft."""
+    accepted, num_accepted, out = ops.tree_rejection_sample(
+        target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, uniforms)
+    for b in range(parents.shape[0]):
+        path = [0]
+        while True:
+            kids = [c for c in range(1, int(num_nodes[b])) if int(parents[b, c]) == path[-1]]
+            if not kids:
+                break
+            path.append(kids[0])
+        k = len(path)
+        accepted[b, :k] = torch.tensor(path)
+        out[b, : k - 1] = draft_tokens[b, path[1:]]
+        out[b, k - 1] = int(target_logits[b, path[-1]].argmax())
+        num_accepted[b] = k - 1
+    return accepted, num_accepted, out
+
+
+def test_broken_sampler_is_detected(small_vocab_model, plain_samples, monkeypatch):
+    class BrokenOps:
+        def __getattr__(self, name):
+            return always_accept if name == "tree_rejection_sample" else getattr(ops, name)
+
+    monkeypatch.setattr(engine_module, "ops", BrokenOps())
+    spec = first_tokens(small_vocab_model, oracle_head(small_vocab_model), "dynamic:3,3,8", SAMPLING["t1"])
+    assert same_distribution_pvalue(spec, plain_samples["t1"]) < 1e-6
+
+
+# ---------------------------------------------------------------------- the real model
+@pytest.mark.slow
+def test_default_model_greedy_speculative_equals_plain():
+    from specdec.loader import load_model
+
+    model, tok = load_model()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is 2 + 2?", "Name a colour.")]
+    head = EagleHead.random(model, seed=0)
+    outs = {}
+    for name, h, tree in (("plain", None, "chain:1"), ("chain", head, "chain:3"), ("tree", head, "dynamic:3,4,12")):
+        eng = Engine(model, tok, head=h, tree=tree, batch_size=2, max_seq_len=128)
+        results, _ = eng.generate([Request(p, SamplingParams(max_new_tokens=8)) for p in prompts])
+        outs[name] = [r.token_ids for r in results]
+    assert outs["chain"] == outs["plain"] and outs["tree"] == outs["plain"]
