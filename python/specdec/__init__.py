@@ -1,0 +1,29 @@
+"""specdec: exact speculative decoding (EAGLE heads, tree drafting) on the specdec_kernels ops.
+
+    from specdec import load_model, Engine, Request, SamplingParams, EagleHead
+    model, tok = load_model()
+    engine = Engine(model, tok, head=EagleHead.random(model), tree="dynamic:5,8,32")
+    results, stats = engine.generate([Request(tok.apply_chat_template([...]))])
+
+Names are imported lazily, so `import specdec` (and the CLI's argument parsing) does not
+build or load the C++ ops until a model is used.
+"""
+import importlib
+
+from .errors import HeadMismatchError, InvalidRequestError, InvalidTreeSpecError, ModelLoadError, SpecdecError
+
+_LAZY = {
+    "Engine": "engine", "Request": "engine", "Result": "engine", "SamplingParams": "engine",
+    "EagleHead": "eagle", "load_head": "eagle",
+    "TreeSpec": "drafting", "Stats": "stats",
+    "Transformer": "model", "ModelArgs": "config", "load_model": "loader", "Tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_LAZY) + ["HeadMismatchError", "InvalidRequestError", "InvalidTreeSpecError",
+                           "ModelLoadError", "SpecdecError"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
