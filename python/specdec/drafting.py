@@ -256,9 +256,11 @@ def draft_distribution(logits, sampling: BatchSampling):
     V = logits.shape[-1]
     k = torch.where(sampling.top_k > 0, sampling.top_k, V).clamp(max=V).long()
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
+    in_top_k = torch.arange(V, device=logits.device)[None, :] < k[:, None]
+    sorted_probs = sorted_probs * in_top_k  # top-k, then top-p on the renormalised rest
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep_sorted = (rank < k[:, None]) & (mass_before < sampling.top_p[:, None])
+    keep_sorted = in_top_k & (mass_before < sampling.top_p[:, None])
     keep = torch.zeros_like(keep_sorted).scatter_(1, sorted_idx, keep_sorted)
     probs = probs * keep
     probs = probs / probs.sum(-1, keepdim=True)
