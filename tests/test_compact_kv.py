@@ -216,18 +216,26 @@ def test_bad_shapes_and_dtypes(case, edit, match, device, backend):
         sk.compact_kv(*op_args(p), backend=backend)
 
 
-def test_opcheck(device):
+def _op(backend):
+    """The registered op of a backend (the Triton kernels are custom ops of their own)."""
+    if backend == "triton":
+        import specdec_kernels.triton  # noqa: F401  (registers torch.ops.specdec_triton)
+        return torch.ops.specdec_triton.compact_kv
+    return torch.ops.specdec.compact_kv
+
+
+def test_opcheck(device, backend):
     p = make_problem(B=3, T=7, L=2, dtype=torch.float16, device=device)
-    torch.library.opcheck(torch.ops.specdec.compact_kv, op_args(p))
+    torch.library.opcheck(_op(backend), op_args(p))
 
 
-def test_torch_compile_fullgraph(device):
+def test_torch_compile_fullgraph(device, backend):
     p = make_problem(B=3, T=7, L=2, device=device)
 
     @torch.compile(fullgraph=True)
     def step(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted):
-        torch.ops.specdec.compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes,
-                                     num_accepted)
+        sk.compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted,
+                      backend=backend)
         return k_cache * 2.0, v_cache + 1.0  # reads after the in-place move must see it
 
     k, v = p["k_cache"].clone(), p["v_cache"].clone()

@@ -45,10 +45,16 @@ def _compact_kv_kernel(k_ptr, v_ptr, bt_ptr, cache_lens_ptr, acc_ptr, num_acc_pt
         _copy_path(v_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, T, cols, col_mask)
 
 
-def compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted):
+@torch.library.custom_op("specdec_triton::compact_kv", mutates_args=("k_cache", "v_cache"))
+def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+               cache_lens: torch.Tensor, accepted_nodes: torch.Tensor,
+               num_accepted: torch.Tensor) -> None:
     """In place. k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D]
     (contiguous, validated); block_table: int [B, max_blocks]; cache_lens, num_accepted: int [B];
-    accepted_nodes: int [B, T]."""
+    accepted_nodes: int [B, T].
+
+    A custom op (declared as mutating the caches), so torch.compile treats the launch as
+    one opaque call and orders it correctly against reads of the caches."""
     k = k_cache if k_cache.dim() == 5 else k_cache.unsqueeze(0)
     v = v_cache if v_cache.dim() == 5 else v_cache.unsqueeze(0)
     L, NB, bs, H, D = k.shape

@@ -24,6 +24,7 @@ consumption matches the reference exactly (uniforms[b, c] for child c,
 uniforms[b, T] for the bonus), so all backends agree given the same uniforms.
 """
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -260,12 +261,18 @@ def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr
     tl.store(bad_ptr + b, bad_node)
 
 
-def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft_probs,
-                          temperature, top_k, top_p, uniforms):
+@torch.library.custom_op("specdec_triton::tree_rejection_sample", mutates_args=())
+def tree_rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                          parents: torch.Tensor, num_nodes: torch.Tensor,
+                          draft_probs: Optional[torch.Tensor], temperature: torch.Tensor,
+                          top_k: torch.Tensor, top_p: torch.Tensor,
+                          uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """target_logits: [B, T, V]; draft_tokens, parents: int [B, T]; num_nodes: int [B];
     draft_probs: [B, T, V] or None; temperature, top_p: float [B]; top_k: int [B];
     uniforms: float [B, T + 1]  ->  (accepted_nodes int32 [B, T], num_accepted int32 [B],
-    output_tokens int32 [B, T]), -1 padded."""
+    output_tokens int32 [B, T]), -1 padded.
+
+    A custom op, so torch.compile treats the launch as one opaque call."""
     B, T, V = target_logits.shape
     dev = target_logits.device
     i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
@@ -287,6 +294,14 @@ def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft
     if _check_values(dev):
         _raise_on_bad_rows(bad_node)
     return accepted, num_accepted, out_tokens
+
+
+@tree_rejection_sample.register_fake
+def _(target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
+      uniforms):
+    B, T, _ = target_logits.shape
+    new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int32)  # noqa: E731
+    return new(B, T), new(B), new(B, T)
 
 
 def _check_values(device):

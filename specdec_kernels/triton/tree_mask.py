@@ -33,8 +33,11 @@ def _tree_mask_kernel(parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W,
     tl.store(depth_ptr + b * T + rows, depth, mask=rows < T)
 
 
-def build_tree_mask(parents, num_nodes):
-    """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32 [B, T])."""
+@torch.library.custom_op("specdec_triton::build_tree_mask", mutates_args=())
+def build_tree_mask(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32 [B, T]).
+
+    A custom op, so torch.compile treats the launch as one opaque call."""
     B, T = parents.shape
     W = (T + 63) // 64
     parents = parents.to(torch.int32).contiguous()
@@ -44,3 +47,10 @@ def build_tree_mask(parents, num_nodes):
     _tree_mask_kernel[(B,)](parents, num_nodes, mask, depth, T, W,
                             T_PAD=triton.next_power_of_2(T), W_PAD=triton.next_power_of_2(W))
     return mask, depth
+
+
+@build_tree_mask.register_fake
+def _(parents, num_nodes):
+    B, T = parents.shape
+    return (parents.new_empty(B, T, (T + 63) // 64, dtype=torch.int64),
+            parents.new_empty(B, T, dtype=torch.int32))

@@ -43,9 +43,10 @@ def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, lo, hi, c, n
         allowed = row_ok[:, None] & pos_ok[None, :]
         if IS_TREE:
             j = pos - c  # tree node of each key
-            words = tl.load(tm_ptr + (b * T + node)[:, None] * W + (j // 64)[None, :],
+            # the mask viewed as int32 words [B, T, W]: bit j of a row is bit j % 32 of word j // 32
+            words = tl.load(tm_ptr + (b * T + node)[:, None] * W + (j // 32)[None, :],
                             mask=allowed, other=0)
-            allowed = allowed & (((words >> (j % 64).to(tl.int64)[None, :]) & 1) != 0)
+            allowed = allowed & (((words >> (j % 32)[None, :]) & 1) != 0)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
@@ -136,7 +137,7 @@ def _launch_config(device, D, S_max, programs):
     if device.type == "cuda":
         block_n = 64 if D <= 128 else 32
         target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        num_warps = 4 if D <= 128 else 8
+        num_warps = 4 if D <= 64 else 8
     else:
         block_n, target, num_warps = 16, 8, 4
     splits = max(1, min(triton.cdiv(S_max, 4 * block_n), triton.cdiv(target, programs)))
@@ -144,10 +145,15 @@ def _launch_config(device, D, S_max, programs):
     return block_n, triton.cdiv(S_max, chunk), chunk, num_warps
 
 
-def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale):
+@torch.library.custom_op("specdec_triton::tree_verify", mutates_args=())
+def tree_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_table: torch.Tensor, cache_lens: torch.Tensor, num_nodes: torch.Tensor,
+                tree_mask: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """q: [B, T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous);
     block_table: int [B, max_blocks]; cache_lens, num_nodes: int [B];
-    tree_mask: int64 [B, T, ceil(T/64)]  ->  [B, T, Hq, D] in q's dtype."""
+    tree_mask: int64 [B, T, ceil(T/64)]  ->  [B, T, Hq, D] in q's dtype.
+
+    A custom op, so torch.compile treats the launches as one opaque call."""
     B, T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     MB = block_table.shape[1]
@@ -167,8 +173,8 @@ def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_ma
     _tree_verify_kernel[(B * Hkv, m_blocks, splits)](
         q, k_cache, v_cache, block_table.to(torch.int32).contiguous(),
         cache_lens.to(torch.int32).contiguous(), num_nodes.to(torch.int32).contiguous(),
-        tree_mask.contiguous(), out, part_acc, part_ml, float(sm_scale) * math.log2(math.e),
-        T, Hq, Hkv, D, bs, MB, W, chunk,
+        tree_mask.contiguous().view(torch.int32), out, part_acc, part_ml,
+        float(sm_scale) * math.log2(math.e), T, Hq, Hkv, D, bs, MB, 2 * W, chunk,
         GROUP=group, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16, num_warps=num_warps)
@@ -176,3 +182,8 @@ def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_ma
         _merge_kernel[(B * T * Hq,)](part_acc, part_ml, out, D, NUM_SPLITS=splits,
                                      S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return out
+
+
+@tree_verify.register_fake
+def _(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
