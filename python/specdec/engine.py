@@ -120,10 +120,6 @@ class Engine:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
 
-    @property
-    def method(self) -> str:
-        return "plain" if self.head is None else "eagle"
-
     # ------------------------------------------------------------------ public API
     def generate(self, requests, progress=None):
         """Runs every request to completion -> (list[Result] in input order, aggregate Stats).
