@@ -96,6 +96,8 @@ def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft
     padded with -1; see reference.tree_rejection_sample for the exact rule and which
     uniform each decision consumes.
     """
+    if target_logits.dim() != 3:  # the defaults below need B; same wording as the C++ check
+        raise RuntimeError(f"target_logits must be [B, T, V], got shape {list(target_logits.shape)}")
     B, T, _ = target_logits.shape
     dev = target_logits.device
     if temperature is None:
