@@ -1,0 +1,99 @@
+// Helpers shared by the CUDA kernels: dtype dispatch and loads, warp / block reductions.
+//
+// Every reduction here combines values in a fixed order, so a kernel gives bitwise the
+// same result on every run (eager and CUDA-graph replays agree exactly).
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace specdec {
+namespace cuda {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// The attention / logit dtypes (float64 never reaches a CUDA kernel: checks.cpp rejects it).
+#define SPECDEC_DISPATCH_ATTN_TYPES(TYPE, NAME, ...)               \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)  \
+                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// Element dtype of a row read through a type-erased pointer (memory-bound kernels, where a
+// uniform branch per load is cheaper than one template instantiation per dtype combination).
+enum class Dtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline Dtype dtype_of(const at::Tensor& t) {
+  const at::ScalarType s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16,
+              "specdec CUDA kernels: unsupported dtype ", s);
+  return s == at::kFloat ? Dtype::kFloat32 : s == at::kHalf ? Dtype::kFloat16 : Dtype::kBFloat16;
+}
+
+__device__ __forceinline__ float load_float(const void* base, Dtype dt, int64_t i) {
+  if (dt == Dtype::kFloat32) return static_cast<const float*>(base)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(base)[i];
+  if (dt == Dtype::kFloat16) return __half2float(__ushort_as_half(bits));
+  return __uint_as_float(uint32_t(bits) << 16);  // bfloat16 is the top half of a float32
+}
+
+// ---- warp reductions (xor butterfly: every lane ends with the same, bitwise equal value,
+// since each step combines the same two operands, only swapped, with a commutative op) ----
+template <typename T>
+__device__ __forceinline__ T shfl_xor(T v, int offset) {
+  return __shfl_xor_sync(kFullMask, v, offset);
+}
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = op(v, shfl_xor(v, offset));
+  return v;
+}
+
+struct Sum {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct Min {
+  __device__ __forceinline__ int operator()(int a, int b) const { return a < b ? a : b; }
+};
+struct MaxInt {
+  __device__ __forceinline__ int operator()(int a, int b) const { return a > b ? a : b; }
+};
+
+// Block-wide reduction; every thread gets the result. `smem` holds >= blockDim.x / 32
+// values of T. The leading barrier makes back-to-back calls on the same smem safe, and
+// the barriers also publish every global / shared write made before the call.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T* smem) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  v = warp_reduce(v, op);
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  T r = smem[0];
+  for (int w = 1; w < num_warps; ++w) r = op(r, smem[w]);  // same order in every thread
+  return r;
+}
+
+}  // namespace cuda
+}  // namespace specdec

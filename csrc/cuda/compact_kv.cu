@@ -1,0 +1,103 @@
+// compact_kv on CUDA: one launch for every layer, K and V, and request.
+//
+// CTA (b, layer, K-or-V) moves the accepted path of request b in that layer's cache;
+// its threads split a cache row (Hkv * D elements) into fixed columns, and each thread
+// copies its columns for k = 0, 1, ..., num_accepted in increasing order. Node ids along a
+// root path increase, so source cache_lens + a[k] >= destination cache_lens + k and no
+// source is ever an earlier step's destination: a thread always reads a value before
+// anything overwrites it, and threads never touch each other's columns, so overlapping
+// moves (e.g. path [0, 2, 3]) are safe without any barrier.
+// Every position and block id is bounds-checked; a step that would leave the cache is skipped.
+#include "cuda/common.cuh"
+#include "ops.h"
+
+namespace specdec {
+namespace cuda {
+namespace {
+
+struct CompactParams {
+  void* k;
+  void* v;
+  const int32_t* block_table;     // [B, MB]
+  const int32_t* cache_lens;      // [B]
+  const int32_t* accepted_nodes;  // [B, T]
+  const int32_t* num_accepted;    // [B]
+  int64_t layer_units;            // units per layer: NB * bs * row_units
+  int row_units;                  // units per cache row (one position: Hkv * D elements)
+  int NB, bs, MB, T;
+};
+
+// Physical row (within one layer) of logical position pos of request b, or -1 if unmapped.
+__device__ __forceinline__ int64_t physical_row(const CompactParams& p, int b, int64_t pos) {
+  if (pos < 0 || pos >= int64_t(p.MB) * p.bs) return -1;
+  const int blk = p.block_table[int64_t(b) * p.MB + pos / p.bs];
+  if (blk < 0 || blk >= p.NB) return -1;
+  return int64_t(blk) * p.bs + pos % p.bs;
+}
+
+// Unit: the widest load/store the row size and the cache alignment allow (uint4 = 16 bytes).
+template <typename Unit>
+__global__ void compact_kv_kernel(const CompactParams p) {
+  const int b = blockIdx.x, layer = blockIdx.y;
+  Unit* cache = static_cast<Unit*>(blockIdx.z == 0 ? p.k : p.v) + layer * p.layer_units;
+  const int m = min(max(p.num_accepted[b], 0), p.T - 1);
+  const int64_t c = p.cache_lens[b];
+  for (int k = 0; k <= m; ++k) {
+    const int a = p.accepted_nodes[int64_t(b) * p.T + k];
+    if (a == k) continue;  // already in place (the root always is)
+    const int64_t src = physical_row(p, b, c + a), dst = physical_row(p, b, c + k);
+    if (src < 0 || dst < 0) continue;
+    const Unit* from = cache + src * p.row_units;
+    Unit* to = cache + dst * p.row_units;
+    for (int e = threadIdx.x; e < p.row_units; e += blockDim.x) to[e] = from[e];
+  }
+}
+
+template <typename Unit>
+void launch(const CompactParams& base, int64_t row_bytes, int64_t B, int64_t L) {
+  CompactParams p = base;
+  p.row_units = int(row_bytes / sizeof(Unit));
+  p.layer_units *= p.row_units;
+  const int threads = int(std::min<int64_t>(256, ceil_div(p.row_units, kWarpSize) * kWarpSize));
+  const dim3 grid(unsigned(B), unsigned(L), 2);
+  compact_kv_kernel<Unit><<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+}  // namespace cuda
+
+void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,
+                     const at::Tensor& num_accepted) {
+  const at::cuda::OptionalCUDAGuard guard(k_cache.device());
+  const int64_t L = k_cache.size(0), NB = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t row_bytes = k_cache.size(3) * k_cache.size(4) * k_cache.element_size();
+  const int64_t B = block_table.size(0), MB = block_table.size(1), T = accepted_nodes.size(1);
+  if (B == 0 || L == 0 || row_bytes == 0) return;
+  TORCH_CHECK(L <= 65535, "compact_kv (CUDA): at most 65535 layers, got ", L);
+  TORCH_CHECK(row_bytes < (int64_t(1) << 31) && NB < (int64_t(1) << 31) &&
+                  bs < (int64_t(1) << 31) && MB < (int64_t(1) << 31),
+              "compact_kv (CUDA): cache dimensions too large");
+
+  cuda::CompactParams p{k_cache.data_ptr(), v_cache.data_ptr(),
+                        block_table.data_ptr<int32_t>(), cache_lens.data_ptr<int32_t>(),
+                        accepted_nodes.data_ptr<int32_t>(), num_accepted.data_ptr<int32_t>(),
+                        NB * bs, 0, int(NB), int(bs), int(MB), int(T)};
+  // The widest unit that divides the row size and the alignment of both caches.
+  const auto align = reinterpret_cast<uintptr_t>(k_cache.data_ptr()) |
+                     reinterpret_cast<uintptr_t>(v_cache.data_ptr()) | uintptr_t(row_bytes);
+  if (align % 16 == 0) {
+    cuda::launch<uint4>(p, row_bytes, B, L);
+  } else if (align % 8 == 0) {
+    cuda::launch<uint2>(p, row_bytes, B, L);
+  } else if (align % 4 == 0) {
+    cuda::launch<uint32_t>(p, row_bytes, B, L);
+  } else if (align % 2 == 0) {
+    cuda::launch<uint16_t>(p, row_bytes, B, L);
+  } else {
+    cuda::launch<uint8_t>(p, row_bytes, B, L);
+  }
+}
+
+}  // namespace specdec
