@@ -9,8 +9,8 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 
-CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+CXX_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno"]
+NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
 # sm_80 (A100) and sm_90 (H100/H200) unless TORCH_CUDA_ARCH_LIST says otherwise.
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 
