@@ -1,0 +1,146 @@
+"""specdec.train: self-distillation shards, the differentiable head pass, training, resume, loading."""
+import os
+import types
+
+import pytest
+import torch
+
+import specdec_kernels.ops as ops
+from specdec.config import ModelArgs
+from specdec.eagle import EagleHead, load_head
+from specdec.errors import InvalidRequestError
+from specdec.model import Transformer
+from specdec.train import (generate_shards, head_train_forward, load_shards, make_batch, train_head)
+
+EOS = 0
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny matmuls: intra-op threads only add synchronisation on a busy box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    args = ModelArgs(vocab_size=48, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
+                     tie_word_embeddings=False, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.5 if p.dim() > 1 else 0.1)
+    return model.requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def data_dir(target, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("shards"))
+    generate_shards(target, types.SimpleNamespace(eos_token_ids={EOS}), PROMPTS, path, batch_size=3,
+                    max_new_tokens=12, progress=False)
+    return path
+
+
+def test_train_forward_matches_cached_head(target):
+    """The SDPA training pass computes what the engine's paged-cache pass computes."""
+    head = EagleHead.random(target, version=2, seed=3)
+    with torch.no_grad():  # non-trivial attention / MLP contributions
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    S = 9
+    tokens = torch.randint(1, 48, (1, S))
+    features = torch.randn(1, S, 32)
+    with torch.no_grad():
+        ours = head_train_forward(head, tokens, features)
+        cache = head.new_cache(1, 16)
+        slots = torch.zeros(1, dtype=torch.long)
+        parents = torch.arange(-1, S - 1, dtype=torch.int32)[None]
+        num = torch.tensor([S], dtype=torch.int32)
+        mask, depth = ops.build_tree_mask(parents, num)
+        ref = head(tokens, features, cache, slots, cache.cache_lens[slots], 0, num, mask, depth)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_shards_hold_the_targets_greedy_answers_and_features(target, data_dir):
+    seqs = load_shards(data_dir)
+    assert sorted(os.listdir(data_dir)) == ["manifest.json", "shard_00000.safetensors", "shard_00001.safetensors"]
+    assert [p for _, _, p in seqs] == [len(p) for p in PROMPTS]
+    for (tokens, hidden, p), prompt in zip(seqs, PROMPTS):
+        assert tokens[:p].tolist() == prompt and len(tokens) > p and hidden.dtype == torch.bfloat16
+        assert len(tokens) == p + 12 or tokens[-1] == EOS
+        cache = target.new_cache(1, 64)
+        out = target.prefill([tokens], cache, torch.zeros(1, dtype=torch.long))
+        # greedy: each generated token is the argmax after its prefix
+        assert torch.equal(target.lm_head(out.hidden[0][p - 1:-1]).argmax(-1), tokens[p:])
+        torch.testing.assert_close(hidden.float(), out.hidden[0], rtol=1e-2, atol=2e-2)  # bf16 storage
+
+
+def test_shards_resume_and_refuse_other_settings(target, data_dir, tmp_path):
+    tok = types.SimpleNamespace(eos_token_ids={EOS})
+    path = str(tmp_path)
+    generate_shards(target, tok, PROMPTS, path, batch_size=3, max_new_tokens=12, max_shards=1, progress=False)
+    assert not os.path.exists(os.path.join(path, "shard_00001.safetensors"))
+    generate_shards(target, tok, PROMPTS, path, batch_size=3, max_new_tokens=12, progress=False)
+    for a, b in zip(load_shards(path), load_shards(data_dir)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(InvalidRequestError, match="different settings"):
+        generate_shards(target, tok, PROMPTS, path, batch_size=2, max_new_tokens=12, progress=False)
+
+
+def test_batch_alignment(data_dir):
+    """Position t reads (token t + 1, feature t), predicts feature t + 1 and token t + 2,
+    scored from the prediction of the first generated token on."""
+    seqs = load_shards(data_dir)[:2]
+    tok_in, feat_in, feat_out, labels, mask = make_batch(seqs)
+    tokens, hidden, p = seqs[0]
+    n = len(tokens) - 2
+    assert torch.equal(tok_in[0, :n], tokens[1:-1]) and torch.equal(labels[0, :n], tokens[2:])
+    assert torch.equal(feat_in[0, 1], hidden[1].float()) and torch.equal(feat_out[0, 1], hidden[2].float())
+    assert mask[0].nonzero().flatten().tolist() == list(range(p - 2, n))
+
+
+def _train(target, data_dir, out, **kw):
+    kw = {"epochs": 8, "batch_size": 2, "lr": 3e-3, "checkpoint_every": 5, "save_dtype": torch.float32,
+          "progress": False, **kw}
+    return train_head(target, load_shards(data_dir), out, **kw)
+
+
+def test_training_decreases_loss_resumes_and_loads(target, data_dir, tmp_path):
+    straight = str(tmp_path / "straight")
+    log = _train(target, data_dir, straight)
+    assert len(log) == 16
+    first = sum(r["loss"] for r in log[:3]) / 3
+    last = sum(r["loss"] for r in log[-3:]) / 3
+    assert last < 0.8 * first, (first, last)
+
+    resumed = str(tmp_path / "resumed")
+    part = _train(target, data_dir, resumed, max_steps=7)  # "interrupted" after 7 steps
+    assert len(part) == 7 and not os.path.exists(os.path.join(resumed, "model.safetensors"))
+    rest = _train(target, data_dir, resumed)
+    assert [r["step"] for r in rest] == list(range(8, 17))
+    assert [r["loss"] for r in part + rest] == pytest.approx([r["loss"] for r in log], rel=1e-5)
+
+    a, b = load_head(straight, target), load_head(resumed, target)
+    assert a.version == 2
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+    # the loaded head computes what training optimised: its top-1 accuracy on the data is high
+    tok_in, feat_in, _, labels, mask = make_batch(load_shards(data_dir))
+    with torch.no_grad():
+        pred = a.logits(head_train_forward(a, tok_in, feat_in)).argmax(-1)
+    assert (pred[mask] == labels[mask]).float().mean() > 0.5
+
+
+def test_bf16_output_is_small_and_loads(target, data_dir, tmp_path):
+    out = str(tmp_path / "bf16")
+    _train(target, data_dir, out, epochs=1, save_dtype=torch.bfloat16)
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+    assert load_head(out, target).fc.weight.dtype == torch.float32  # loaded in the target's dtype
