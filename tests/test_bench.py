@@ -1,0 +1,79 @@
+"""specdec.bench on a tiny random Llama shared by transformers and our loader: JSON fields,
+speedup bookkeeping, greedy exactness of every method against our plain loop, the plots."""
+import json
+import os
+
+import pytest
+import torch
+
+from specdec.bench import plot, run_bench, summary
+from specdec.eagle import EagleHead
+from specdec.loader import load_checkpoint_dir
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 64
+
+
+class CharTokenizer:
+    eos_token_ids = {1}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return [2] + [3 + ord(c) % (VOCAB - 3) for c in messages[-1]["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(ours, transformers') over the same random weights."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    hf.save_pretrained(path)
+    return load_checkpoint_dir(path), hf
+
+
+def test_quick_bench_json_fields_and_plots(models, tmp_path):
+    ours, hf = models
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        head = EagleHead.random(ours, version=2, seed=0)
+        result = run_bench(ours, CharTokenizer(), head, ["Why is the sky blue?"], max_new_tokens=6,
+                           temperatures=(0.0, 1.0), chain_ks=(2,), tree="dynamic:2,2,4", batch_sizes=(1, 2),
+                           hf_model=hf, log=lambda m: None)
+    finally:
+        torch.set_num_threads(n)
+    json.dumps(result)  # JSON-ready
+    greedy, sampled = result["batch1"]["0.0"], result["batch1"]["1.0"]
+    assert list(greedy) == ["hf_plain", "hf_prompt_lookup", "plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)"]
+    assert "hf_prompt_lookup" not in sampled and "eagle_chain2" in sampled
+    for name, r in greedy.items():
+        assert r["same_tokens_as_plain"] == 1.0, name  # every method decodes the same greedy text
+        assert r["generated_tokens"] >= 1 and r["tokens_per_s"] > 0
+        assert r["speedup_vs_hf_plain"] == pytest.approx(r["tokens_per_s"] / greedy["hf_plain"]["tokens_per_s"])
+        assert "outputs" not in r
+    assert greedy["plain"]["speedup_vs_plain"] == 1.0 and greedy["plain"]["mean_acceptance_length"] == 1.0
+    tree = greedy["eagle_tree(dynamic:2,2,4)"]
+    for key in ("mean_acceptance_length", "acceptance_rate", "first_rejection_hist", "time_s", "nodes_per_step"):
+        assert key in tree
+    assert tree["mean_acceptance_length"] >= 1.0 and set(tree["time_s"]) >= {"draft", "verify"}
+    assert sum(tree["first_rejection_hist"]) == tree["target_forwards"]
+    assert set(result["sweep"]) == {"hf_plain", "plain", "eagle_tree(dynamic:2,2,4)"}
+    assert all(set(v) == {"1", "2"} for v in result["sweep"].values())
+    assert result["sweep"]["eagle_tree(dynamic:2,2,4)"]["2"]["num_requests"] == 2
+    assert "batch sweep" in summary(result)
+
+    paths = plot(result, str(tmp_path / "e2e"))
+    assert len(paths) == 4
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 1000
