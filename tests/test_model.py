@@ -14,9 +14,12 @@ from specdec.loader import default_model_path, gguf_checkpoint_dir, load_checkpo
 from specdec.model import Transformer
 from trees import random_parents
 
-transformers = pytest.importorskip("transformers", reason="pip install .[hf] for the transformers comparisons")
-
 TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def transformers():
+    return pytest.importorskip("transformers", reason="pip install .[hf] for the transformers comparisons")
 POISON = -7.0  # cache value no write should leave behind where nothing was written
 
 
@@ -99,6 +102,33 @@ def test_tree_forward_matches_sequential_paths(kinds):
     assert (cache.k.flatten(1, 2)[:, cache.rows(torch.tensor([1]), torch.arange(48)[None])[0]] == POISON).all()
 
 
+def test_tree_forward_is_sensitive_to_positions_and_mask():
+    """The comparison above can fail: rotating star-tree nodes at cache_lens + i (not + depth), or
+    letting siblings see each other (a chain mask), changes the logits past the first child."""
+    model = random_model(tiny_args())
+    T = 5
+    tokens = torch.randint(0, model.args.vocab_size, (1, T))
+    num_nodes = torch.tensor([T], dtype=torch.int32)
+    star = torch.tensor([[-1, 0, 0, 0, 0]], dtype=torch.int32)
+    chain = torch.arange(-1, T - 1, dtype=torch.int32)[None]
+
+    def run(parents_for_mask, depth_override=None):
+        cache = model.new_cache(num_slots=1, max_seq_len=32, block_size=4)
+        slot = torch.tensor([0])
+        model.prefill([torch.randint(0, model.args.vocab_size, (7,), generator=torch.Generator().manual_seed(0))],
+                      cache, slot)
+        tree_mask, depth = sk.build_tree_mask(parents_for_mask, num_nodes)
+        return model(tokens, cache, slot, num_nodes, tree_mask,
+                     depth if depth_override is None else depth_override).logits[0]
+
+    right = run(star)
+    wrong_positions = run(star, torch.arange(T, dtype=torch.int32)[None])
+    wrong_mask = run(chain, sk.build_tree_mask(star, num_nodes)[1])
+    for wrong in (wrong_positions, wrong_mask):
+        torch.testing.assert_close(wrong[:2], right[:2], **TOL)
+        assert not torch.allclose(wrong[2:], right[2:], atol=1e-2), "nodes 2.. should differ"
+
+
 def test_prefill_matches_decode_and_features():
     """prefill's last logits, hidden states and aux features equal token-by-token decoding."""
     model = random_model(tiny_args(n_layers=3))
@@ -133,7 +163,7 @@ HF_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
-def test_tiny_hf_checkpoints_match_transformers(name, tmp_path):
+def test_tiny_hf_checkpoints_match_transformers(name, tmp_path, transformers):
     """A random HF model saved with save_pretrained loads with our loader and gives its logits
     (prefill's last position, then a chain verified in one forward)."""
     cls_name, extra = HF_CONFIGS[name]
@@ -187,7 +217,7 @@ def greedy(model, tokenizer, prompt_ids, max_new_tokens):
 
 
 @pytest.mark.slow
-def test_default_model_greedy_matches_transformers(capsys):
+def test_default_model_greedy_matches_transformers(capsys, transformers):
     """Greedy decoding of the default model (float32, CPU) reproduces transformers' generate token for
     token on 20 chat prompts, and is at least as fast."""
     model, tokenizer = load_model()
@@ -201,13 +231,17 @@ def test_default_model_greedy_matches_transformers(capsys):
                           eos_token_id=eos, pad_token_id=eos[0])
         return out[0, len(ids):].tolist()
 
+    def timed(fn, *args):
+        start = time.perf_counter()
+        return fn(*args), time.perf_counter() - start
+
     greedy(model, tokenizer, prompts[0], 2), hf_greedy(prompts[0])  # warm-up
-    start = time.perf_counter()
-    ours = [greedy(model, tokenizer, ids, NEW_TOKENS) for ids in prompts]
-    t_ours = time.perf_counter() - start
-    start = time.perf_counter()
-    theirs = [hf_greedy(ids) for ids in prompts]
-    t_hf = time.perf_counter() - start
+    # Interleaved, so that a change in machine load hits both sides alike.
+    ours, theirs, t_ours, t_hf = [], [], 0.0, 0.0
+    for ids in prompts:
+        (out, t), (ref, t_ref) = timed(greedy, model, tokenizer, ids, NEW_TOKENS), timed(hf_greedy, ids)
+        ours.append(out), theirs.append(ref)
+        t_ours, t_hf = t_ours + t, t_hf + t_ref
 
     mismatches = [(PROMPTS[i], a, b) for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     assert not mismatches, f"{len(mismatches)}/{len(PROMPTS)} prompts differ: {mismatches[:3]}"
