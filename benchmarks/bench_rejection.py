@@ -8,6 +8,7 @@ temperature 0.8 with top_k 50 or top_p 0.9.
 
     python benchmarks/bench_rejection.py             # default sweep (a few minutes on CPU)
     python benchmarks/bench_rejection.py --quick     # a few shapes, for a smoke test
+    python benchmarks/bench_rejection.py --threads 1 # one CPU thread for both (steadier on a busy box)
     python benchmarks/bench_rejection.py --device cuda --backends cpp,triton
 """
 import argparse
@@ -57,7 +58,10 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backends", default="cpp", help="comma list of cpp,triton")
     ap.add_argument("--json", default=None, help="default benchmarks/out/rejection_<device>.json")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     backends = args.backends.split(",")
     rows = []

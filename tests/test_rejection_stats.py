@@ -80,6 +80,10 @@ def chi2_pvalue(samples, probs):
 
 
 def run_case(case, device, backend):
+    if backend == "triton" and device.type == "cpu":
+        pytest.skip("the Triton interpreter takes minutes per 1e5-sample case; the Triton kernel's "
+                    "exact agreement with the reference runs in test_rejection.py, and these "
+                    "statistics run with --device cuda")
     args, logits, q, root_children = make_problem(*case, seed=CASES.index(case))
     moved = {k: (v.to(device) if v is not None else None) for k, v in args.items()}
     acc, num, toks = (t.cpu() for t in sk.tree_rejection_sample(**moved, backend=backend))
