@@ -33,7 +33,8 @@ class PagedKVCache:
         """
         positions = positions.long()
         blocks = self.block_table[slots.long()].long()  # [B, blocks_per_slot]
-        physical = torch.gather(blocks, 1, positions // self.block_size)
+        # padded entries (dropped through `picked`) may lie past the slot's last block
+        physical = torch.gather(blocks, 1, (positions // self.block_size).clamp(max=blocks.shape[1] - 1))
         rows = (physical * self.block_size + positions % self.block_size).flatten()
         if valid is None:
             return rows, None
