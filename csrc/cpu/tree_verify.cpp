@@ -3,27 +3,38 @@
 // One task per (request b, KV head h, split s of the key positions). All M = num_nodes[b] *
 // group query rows that share KV head h (GQA; row m is tree node m / group, query head
 // h * group + m % group) are processed together, so each K / V row is read from the cache
-// once per KV head. Keys are staged tile by tile (kTile positions, resolved through the
-// block table) into small thread-local float buffers -- K transposed into panels of
-// 2 * W keys, V row-major -- which also converts half / bfloat16 to float. Register-blocked
-// micro-kernels compute the tile's scores S = Q K^T and the update O += P V; between them an
-// online softmax keeps a running max and sum per row (in base 2: the scores are scaled by
-// sm_scale * log2(e)). Prefix positions (< cache_lens[b]) are visible to every row; tree
-// positions only where the row's tree_mask bit is set. When B * Hkv tasks cannot occupy
-// the threads, the positions are split and the partial (O, max, sum) merged afterwards.
+// once per KV head. The vector lanes run over query rows: the queries are staged once per
+// task transposed ([D, rows]), the scores of a tile are kept transposed ([keys, rows]) and
+// so is the output ([D, rows]). Then both products broadcast single K / V elements from
+// their natural row-major layout -- S^T[n, :] += K[n, d] * Q^T[d, :] and
+// O^T[d, :] += V[n, d] * P^T[n, :] -- and the online softmax (running max and sum per row,
+// in base 2: scores are scaled by sm_scale * log2(e)) needs no horizontal reduction.
+// Keys are staged tile by tile (kTile positions, resolved through the block table) into
+// small thread-local buffers, converted to float. Prefix positions (< cache_lens[b]) are
+// visible to every row; tree positions only where the row's tree_mask bit is set. When
+// B * Hkv tasks cannot occupy the threads, the positions are split and the partial
+// (O, max, sum) merged afterwards.
 //
-// The hot loops use GCC vector extensions of W floats, compiled for AVX-512 (W = 16), for
-// AVX2 + FMA (W = 8) and for the baseline ISA (W = 4, SSE2 on x86-64); the best the CPU runs
-// is picked at run time.
+// The float loops use GCC vector extensions of W floats, compiled for AVX-512 (W = 16), for
+// AVX2 + FMA (W = 8) and for the baseline ISA (W = 4, SSE2 on x86-64). bfloat16 inputs on a
+// CPU with AVX512-BF16 take a fourth build that multiplies bf16 pairs with vdpbf16ps
+// (float accumulation; the probabilities are rounded to bf16 for P V, as flash attention
+// kernels do). The best build the CPU runs is picked at run time.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -37,15 +48,19 @@
 namespace specdec {
 namespace {
 
-// Vectors of W floats; the micro-kernels work on 2 * W columns (keys or head dims) at a time.
+// Vectors of W floats; the micro-kernels work on 2 * W query rows at a time.
 template <int W>
 struct Simd {
   typedef float f __attribute__((vector_size(W * sizeof(float))));
   typedef int32_t i __attribute__((vector_size(W * sizeof(int32_t))));
 };
-constexpr int kMaxPanel = 32;           // 2 * the widest W (a multiple of every 2 * W)
-constexpr int kRows = 4;                // query rows per micro-kernel call
-constexpr int64_t kTile = 64;           // key positions staged at a time (a multiple of kMaxPanel)
+// Keys (scores) or head dims (output) per micro-kernel call: 2 * kCols<W> accumulators
+// (+ 3 operands) fill but do not overflow the 32 zmm or 16 ymm / xmm registers.
+template <int W>
+constexpr int kCols = W == 16 ? 8 : 4;
+constexpr int kMaxCols = 8;             // the largest kCols: head dims are padded to it
+constexpr int kMaxPanel = 32;           // 2 * the widest W: rows are padded to it
+constexpr int64_t kTile = 64;           // key positions staged at a time (even, a multiple of kMaxCols)
 constexpr int64_t kMinSplit = 256;      // fewest positions worth a split of their own
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -99,19 +114,6 @@ SPECDEC_INLINE typename Simd<W>::f exp2_nonpos(typename Simd<W>::f x) {
   return x < lo ? vfloat{} : p * scale;
 }
 
-template <int W>
-SPECDEC_INLINE float hmax(typename Simd<W>::f v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
-}
-template <int W>
-SPECDEC_INLINE float hsum(typename Simd<W>::f v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
-}
-
 // The inputs of one call, with the index arithmetic of the paged layout.
 template <typename scalar_t>
 struct Problem {
@@ -122,8 +124,10 @@ struct Problem {
   const int32_t* cache_lens;   // [B]
   const int32_t* num_nodes;    // [B]
   const uint64_t* tree_mask;   // [B, T, W]
-  int64_t T, Hq, Hkv, D, Dp, group, block_size, max_blocks, W, splits;
+  int64_t T, Hq, Hkv, D, group, block_size, max_blocks, W, splits;
   float scale;  // sm_scale * log2(e)
+  int64_t Dp;   // D padded to kMaxCols
+  int64_t Mp;   // the most rows of any task, T * group, padded to kMaxPanel
 
   int64_t rows(int64_t b) const { return int64_t(num_nodes[b]) * group; }
   int64_t length(int64_t b) const { return int64_t(cache_lens[b]) + num_nodes[b]; }
@@ -145,163 +149,303 @@ struct Problem {
   }
 };
 
-// Thread-local scratch of one task; Mp = the most rows any task has, padded to kRows.
+// Thread-local scratch of one task, 64-byte aligned, zero-initialised (padding columns of
+// the staged tiles are never written, so they stay zero). Row-indexed buffers have a
+// stride of Mp, head-dim-indexed ones Dp. The bf16 buffers serve the AVX512-BF16 build.
 struct Workspace {
-  std::vector<float> buf;
-  float *q, *o, *s, *kt, *vb, *mx, *l, *alpha;
-  Workspace(int64_t Mp, int64_t D, int64_t Dp)
-      : buf(2 * Mp * Dp + Mp * kTile + kTile * D + kTile * Dp + 3 * Mp, 0.f) {
-    q = buf.data();            // [Mp, Dp] queries as float
-    o = q + Mp * Dp;           // [Mp, Dp] unnormalised output
-    s = o + Mp * Dp;           // [Mp, kTile] scores, then probabilities
-    kt = s + Mp * kTile;       // [kTile / (2 W), D, 2 W] K tile, transposed panels
-    vb = kt + kTile * D;       // [kTile, Dp] V tile (columns >= D stay zero)
-    mx = vb + kTile * Dp;      // [Mp] running max (base 2)
-    l = mx + Mp;               // [Mp] running sum
-    alpha = l + Mp;            // [Mp] rescale of o for the current tile
+  std::unique_ptr<uint8_t[]> mem;
+  float *qt, *ot, *s, *kt, *vt, *mx, *l, *alpha;
+  uint32_t *qp, *kp, *vp, *pp;  // bf16 pairs (low half first)
+  template <typename T>
+  static T* take(uint8_t*& cursor, int64_t n) {
+    T* p = reinterpret_cast<T*>(cursor);
+    cursor += (n * int64_t(sizeof(T)) + 63) / 64 * 64;
+    return p;
+  }
+  Workspace(int64_t Mp, int64_t Dp) {
+    const int64_t bytes = 4 * (2 * Dp * Mp + kTile * Mp + 2 * kTile * Dp + 3 * Mp) +
+                          4 * (Dp / 2 * Mp + kTile * Dp / 2 + kTile / 2 * Dp + kTile / 2 * Mp) +
+                          13 * 64 + 64;
+    mem.reset(new uint8_t[bytes]());
+    uint8_t* cursor = mem.get() + (64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64;
+    qt = take<float>(cursor, Dp * Mp);     // [Dp, Mp] queries, transposed
+    ot = take<float>(cursor, Dp * Mp);     // [Dp, Mp] unnormalised output, transposed
+    s = take<float>(cursor, kTile * Mp);   // [kTile, Mp] scores, then probabilities
+    kt = take<float>(cursor, kTile * Dp);  // [kTile, Dp] K tile
+    vt = take<float>(cursor, kTile * Dp);  // [kTile, Dp] V tile
+    mx = take<float>(cursor, Mp);          // [Mp] running max (base 2)
+    l = take<float>(cursor, Mp);           // [Mp] running sum
+    alpha = take<float>(cursor, Mp);       // [Mp] rescale of o for the current tile
+    qp = take<uint32_t>(cursor, Dp / 2 * Mp);     // [Dp / 2, Mp] (q[m, 2i], q[m, 2i + 1])
+    kp = take<uint32_t>(cursor, kTile * Dp / 2);  // [kTile, Dp / 2] (k[n, 2i], k[n, 2i + 1])
+    vp = take<uint32_t>(cursor, kTile / 2 * Dp);  // [kTile / 2, Dp] (v[2j, d], v[2j + 1, d])
+    pp = take<uint32_t>(cursor, kTile / 2 * Mp);  // [kTile / 2, Mp] (p[2j, m], p[2j + 1, m])
   }
 };
 
-// s[r, 0:2W] = scale * q[r, :] . kt[:, 0:2W] for kRows rows (kt: one [D, 2W] panel).
+// s[n, 0:2W] = scale * sum_d kt[n, d] * qt[d, 0:2W] for the kCols keys n of one block.
 template <int W>
-SPECDEC_INLINE void score_block(const float* q, int64_t ldq, const float* kt, int64_t D,
-                                float scale, float* s, int64_t lds) {
+SPECDEC_INLINE void score_block(const float* qt, const float* kt, int64_t D, int64_t Dp,
+                                int64_t Mp, float scale, float* s) {
   using vfloat = typename Simd<W>::f;
-  vfloat acc[kRows][2] = {};
+  constexpr int C = kCols<W>;
+  vfloat acc[C][2] = {};
   for (int64_t d = 0; d < D; ++d) {
-    const vfloat k0 = load<W>(kt + d * 2 * W), k1 = load<W>(kt + d * 2 * W + W);
-    for (int r = 0; r < kRows; ++r) {
-      const vfloat qv = splat<W>(q[r * ldq + d]);
-      acc[r][0] = qv * k0 + acc[r][0];
-      acc[r][1] = qv * k1 + acc[r][1];
+    const vfloat q0 = load<W>(qt + d * Mp), q1 = load<W>(qt + d * Mp + W);
+    for (int c = 0; c < C; ++c) {
+      const vfloat kv = splat<W>(kt[c * Dp + d]);
+      acc[c][0] = kv * q0 + acc[c][0];
+      acc[c][1] = kv * q1 + acc[c][1];
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    store(s + r * lds, acc[r][0] * scale);
-    store(s + r * lds + W, acc[r][1] * scale);
+  for (int c = 0; c < C; ++c) {
+    store(s + c * Mp, acc[c][0] * scale);
+    store(s + c * Mp + W, acc[c][1] * scale);
   }
 }
 
-// o[r, 0:2W] = alpha[r] * o[r, 0:2W] + sum_n p[r, n] * vb[n, 0:2W] for kRows rows.
+// ot[d, 0:2W] = alpha[0:2W] * ot[d, 0:2W] + sum_n vt[n, d] * p[n, 0:2W] for kCols head dims d.
 template <int W>
-SPECDEC_INLINE void update_block(const float* p, int64_t ldp, const float* vb, int64_t ldv,
-                                 int64_t nt, const float* alpha, float* o, int64_t ldo) {
+SPECDEC_INLINE void update_block(const float* p, const float* vt, int64_t nt, int64_t Dp,
+                                 int64_t Mp, const float* alpha, float* ot) {
   using vfloat = typename Simd<W>::f;
-  vfloat acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) {
-    acc[r][0] = load<W>(o + r * ldo) * alpha[r];
-    acc[r][1] = load<W>(o + r * ldo + W) * alpha[r];
+  constexpr int C = kCols<W>;
+  const vfloat a0 = load<W>(alpha), a1 = load<W>(alpha + W);
+  vfloat acc[C][2];
+  for (int c = 0; c < C; ++c) {
+    acc[c][0] = load<W>(ot + c * Mp) * a0;
+    acc[c][1] = load<W>(ot + c * Mp + W) * a1;
   }
   for (int64_t n = 0; n < nt; ++n) {
-    const vfloat v0 = load<W>(vb + n * ldv), v1 = load<W>(vb + n * ldv + W);
-    for (int r = 0; r < kRows; ++r) {
-      const vfloat pv = splat<W>(p[r * ldp + n]);
-      acc[r][0] = pv * v0 + acc[r][0];
-      acc[r][1] = pv * v1 + acc[r][1];
+    const vfloat p0 = load<W>(p + n * Mp), p1 = load<W>(p + n * Mp + W);
+    for (int c = 0; c < C; ++c) {
+      const vfloat vv = splat<W>(vt[n * Dp + c]);
+      acc[c][0] = vv * p0 + acc[c][0];
+      acc[c][1] = vv * p1 + acc[c][1];
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    store(o + r * ldo, acc[r][0]);
-    store(o + r * ldo + W, acc[r][1]);
+  for (int c = 0; c < C; ++c) {
+    store(ot + c * Mp, acc[c][0]);
+    store(ot + c * Mp + W, acc[c][1]);
   }
 }
 
-// Stages positions [p, p + nt) of (b, h) into ws.kt (panels of 2W keys) / ws.vb as float.
-template <int W, typename scalar_t>
-SPECDEC_INLINE void stage_tile(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
-                               int64_t p, int64_t nt) {
-  for (int64_t j = 0; j < nt; ++j) {
-    const int64_t off = P.kv_offset(b, p + j, h);
-    const scalar_t* ks = P.k + off;
-    const scalar_t* vs = P.v + off;
-    float* kcol = ws.kt + (j / (2 * W)) * P.D * 2 * W + j % (2 * W);
-    float* vrow = ws.vb + j * P.Dp;
-    for (int64_t d = 0; d < P.D; ++d) kcol[d * 2 * W] = static_cast<float>(ks[d]);
-    for (int64_t d = 0; d < P.D; ++d) vrow[d] = static_cast<float>(vs[d]);
-  }
-}
-
-// Hides the tile columns a row may not see: tree nodes outside its mask, and the padding
-// columns [nt, npad) of a partial tile.
+// Stages positions [p, p + nt) of (b, h) of the cache `src` (k or v) into dst [kTile, Dp]
+// as float.
 template <typename scalar_t>
-SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t p,
-                              int64_t nt, int64_t npad) {
+SPECDEC_INLINE void stage_rows(const Problem<scalar_t>& P, const scalar_t* src, float* dst,
+                               int64_t b, int64_t h, int64_t p, int64_t nt) {
+  for (int64_t j = 0; j < nt; ++j) {
+    const scalar_t* row = src + P.kv_offset(b, p + j, h);
+    for (int64_t d = 0; d < P.D; ++d) dst[j * P.Dp + d] = static_cast<float>(row[d]);
+  }
+}
+
+// Hides the tree columns of the tile [p, p + nt) a row may not see (its tree_mask bit is
+// clear); s is [kTile, Mp], already scaled.
+template <typename scalar_t>
+SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, int64_t b, int64_t p,
+                              int64_t nt) {
   const int64_t c = P.cache_lens[b], M = P.rows(b);
   const int64_t j0 = std::max<int64_t>(0, c - p);  // first tree column of the tile
   for (int64_t m = 0; m < M; ++m) {
-    float* row = ws.s + m * kTile;
     const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group) * P.W;
     for (int64_t j = j0; j < nt; ++j) {
       const int64_t node = p + j - c;
-      if (!((bits[node / 64] >> (node % 64)) & 1)) row[j] = kNegInf;
+      if (!((bits[node / 64] >> (node % 64)) & 1)) s[j * P.Mp + m] = kNegInf;
     }
-    for (int64_t j = nt; j < npad; ++j) row[j] = kNegInf;
   }
 }
 
-// Online softmax over one tile: turns the scores of each valid row into probabilities
-// relative to the updated running max, and records how much o must be rescaled.
+// Online softmax over one tile for rows [0, Mr): turns the scores s[0:nt, :] into
+// probabilities relative to the updated running max, and records in alpha how much o must
+// be rescaled. A row that has seen no key yet (max -inf) keeps o = 0, l = 0.
 template <int W>
-SPECDEC_INLINE void softmax_tile(Workspace& ws, int64_t M, int64_t npad) {
+SPECDEC_INLINE void softmax_tile(float* s, int64_t Mp, int64_t Mr, int64_t nt, float* mx,
+                                 float* l, float* alpha) {
   using vfloat = typename Simd<W>::f;
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = ws.s + m * kTile;
-    vfloat vm = splat<W>(kNegInf);
-    for (int64_t j = 0; j < npad; j += W) vm = vmax(vm, load<W>(row + j));
-    const float m_new = std::max(ws.mx[m], hmax<W>(vm));
-    if (m_new == kNegInf) {  // nothing visible yet: o stays zero
-      for (int64_t j = 0; j < npad; ++j) row[j] = 0.f;
-      ws.alpha[m] = 1.f;
-      continue;
+  for (int64_t r = 0; r < Mr; r += W) {
+    const vfloat m_old = load<W>(mx + r);
+    vfloat m_new = m_old;
+    for (int64_t n = 0; n < nt; ++n) m_new = vmax(m_new, load<W>(s + n * Mp + r));
+    // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
+    const vfloat sub = m_new == splat<W>(kNegInf) ? vfloat{} : m_new;
+    vfloat sum = {};
+    for (int64_t n = 0; n < nt; ++n) {
+      const vfloat e = exp2_nonpos<W>(load<W>(s + n * Mp + r) - sub);
+      store(s + n * Mp + r, e);
+      sum += e;
     }
-    const vfloat sub = splat<W>(m_new);
-    vfloat vs = {};
-    for (int64_t j = 0; j < npad; j += W) {
-      const vfloat e = exp2_nonpos<W>(load<W>(row + j) - sub);
-      store(row + j, e);
-      vs += e;
-    }
-    ws.alpha[m] = std::exp2(ws.mx[m] - m_new);  // 0 when the running max was -inf
-    ws.l[m] = ws.l[m] * ws.alpha[m] + hsum<W>(vs);
-    ws.mx[m] = m_new;
+    const vfloat a = exp2_nonpos<W>(m_old - sub);  // 0 when the running max was -inf
+    store(alpha + r, a);
+    store(l + r, load<W>(l + r) * a + sum);
+    store(mx + r, m_new);
   }
 }
 
-// Runs the positions of split s of (b, h); leaves unnormalised o, mx and l in ws.
+// Resets o^T and the running max and sum of rows [0, Mr).
+SPECDEC_INLINE void reset_rows(Workspace& ws, int64_t Mp, int64_t Dp, int64_t Mr) {
+  std::fill(ws.ot, ws.ot + Dp * Mp, 0.f);
+  std::fill(ws.mx, ws.mx + Mr, kNegInf);
+  std::fill(ws.l, ws.l + Mr, 0.f);
+}
+
+// Runs the positions of split s of (b, h) in float; leaves unnormalised o^T, mx and l in ws.
 template <int W, typename scalar_t>
 SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
                            int64_t s) {
-  const int64_t M = P.rows(b), Mr = (M + kRows - 1) / kRows * kRows, D = P.D, Dp = P.Dp;
-  for (int64_t m = 0; m < M; ++m) {
-    const scalar_t* src = P.q + P.q_offset(b, h, m);
-    for (int64_t d = 0; d < D; ++d) ws.q[m * Dp + d] = static_cast<float>(src[d]);
+  constexpr int C = kCols<W>;
+  const int64_t M = P.rows(b), Mr = (M + 2 * W - 1) / (2 * W) * (2 * W);
+  const int64_t D = P.D, Dp = P.Dp, Mp = P.Mp;
+  for (int64_t m = 0; m < Mr; ++m) {  // padding rows: zero queries, harmless scores
+    const scalar_t* src = m < M ? P.q + P.q_offset(b, h, m) : nullptr;
+    for (int64_t d = 0; d < D; ++d) ws.qt[d * Mp + m] = src ? static_cast<float>(src[d]) : 0.f;
   }
-  std::fill(ws.q + M * Dp, ws.q + Mr * Dp, 0.f);  // padding rows: scores 0, never softmaxed
-  std::fill(ws.o, ws.o + Mr * Dp, 0.f);
-  std::fill(ws.mx, ws.mx + Mr, kNegInf);
-  std::fill(ws.l, ws.l + Mr, 0.f);
-  std::fill(ws.alpha, ws.alpha + Mr, 1.f);  // rows >= M: zero queries, zero o, never rescaled
+  reset_rows(ws, Mp, Dp, Mr);
   const auto [p0, p1] = P.split_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
-    const int64_t nt = std::min(kTile, p1 - p), npad = (nt + 2 * W - 1) / (2 * W) * (2 * W);
-    stage_tile<W>(P, ws, b, h, p, nt);
-    for (int64_t m = 0; m < Mr; m += kRows) {
-      for (int64_t j = 0; j < npad; j += 2 * W) {
-        score_block<W>(ws.q + m * Dp, Dp, ws.kt + j * D, D, P.scale, ws.s + m * kTile + j,
-                       kTile);
+    const int64_t nt = std::min(kTile, p1 - p), nk = (nt + C - 1) / C * C;
+    stage_rows(P, P.k, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, their scores unused
+    stage_rows(P, P.v, ws.vt, b, h, p, nt);
+    for (int64_t r = 0; r < Mr; r += 2 * W) {
+      for (int64_t j = 0; j < nk; j += C) {
+        score_block<W>(ws.qt + r, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + r);
       }
     }
-    mask_tile(P, ws, b, p, nt, npad);
-    softmax_tile<W>(ws, M, npad);
-    for (int64_t m = 0; m < Mr; m += kRows) {
-      for (int64_t d = 0; d < Dp; d += 2 * W) {
-        update_block<W>(ws.s + m * kTile, kTile, ws.vb + d, Dp, nt, ws.alpha + m,
-                        ws.o + m * Dp + d, Dp);
+    mask_tile(P, ws.s, b, p, nt);
+    softmax_tile<W>(ws.s, Mp, Mr, nt, ws.mx, ws.l, ws.alpha);
+    for (int64_t r = 0; r < Mr; r += 2 * W) {
+      for (int64_t d = 0; d < Dp; d += C) {
+        update_block<W>(ws.s + r, ws.vt + d, nt, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
       }
     }
   }
 }
 
+// ---------------------------------------------------------------- AVX512-BF16 build
+// vdpbf16ps multiplies 16 pairs of bf16 and adds both products to 16 float lanes: with
+// lanes over rows, the pairs run over head dims in S = Q K^T (q pairs staged once per
+// task, K pairs read in place) and over key positions in O += P V (P rounded to bf16, V
+// pairs interleaved when staged).
+#define SPECDEC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+SPECDEC_BF16_TARGET SPECDEC_INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// s[n, 0:32] = scale * sum_i kp[n, i] . qp[i, 0:32] for the 8 keys n of one block
+// (kp: bf16 pairs of a K tile row, row stride Dp / 2 pairs; Dh pairs per row).
+SPECDEC_BF16_TARGET SPECDEC_INLINE void score_block_bf16(const uint32_t* qp, const uint32_t* kp,
+                                                         int64_t Dh, int64_t Dp, int64_t Mp,
+                                                         float scale, float* s) {
+  __m512 acc[8][2];
+  for (int c = 0; c < 8; ++c) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < Dh; ++i) {
+    const __m512i q0 = _mm512_loadu_si512(qp + i * Mp), q1 = _mm512_loadu_si512(qp + i * Mp + 16);
+    for (int c = 0; c < 8; ++c) {
+      const __m512i kv = _mm512_set1_epi32(kp[c * Dp / 2 + i]);
+      acc[c][0] = dot_pairs(acc[c][0], kv, q0);
+      acc[c][1] = dot_pairs(acc[c][1], kv, q1);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int c = 0; c < 8; ++c) {
+    _mm512_storeu_ps(s + c * Mp, _mm512_mul_ps(acc[c][0], sc));
+    _mm512_storeu_ps(s + c * Mp + 16, _mm512_mul_ps(acc[c][1], sc));
+  }
+}
+
+// ot[d, 0:32] = alpha * ot[d, 0:32] + sum_j vp[j, d] . pp[j, 0:32] for 8 head dims d
+// (over nj position pairs j).
+SPECDEC_BF16_TARGET SPECDEC_INLINE void update_block_bf16(const uint32_t* pp, const uint32_t* vp,
+                                                          int64_t nj, int64_t Dp, int64_t Mp,
+                                                          const float* alpha, float* ot) {
+  const __m512 a0 = _mm512_loadu_ps(alpha), a1 = _mm512_loadu_ps(alpha + 16);
+  __m512 acc[8][2];
+  for (int c = 0; c < 8; ++c) {
+    acc[c][0] = _mm512_mul_ps(_mm512_loadu_ps(ot + c * Mp), a0);
+    acc[c][1] = _mm512_mul_ps(_mm512_loadu_ps(ot + c * Mp + 16), a1);
+  }
+  for (int64_t j = 0; j < nj; ++j) {
+    const __m512i p0 = _mm512_loadu_si512(pp + j * Mp), p1 = _mm512_loadu_si512(pp + j * Mp + 16);
+    for (int c = 0; c < 8; ++c) {
+      const __m512i vv = _mm512_set1_epi32(vp[j * Dp + c]);
+      acc[c][0] = dot_pairs(acc[c][0], vv, p0);
+      acc[c][1] = dot_pairs(acc[c][1], vv, p1);
+    }
+  }
+  for (int c = 0; c < 8; ++c) {
+    _mm512_storeu_ps(ot + c * Mp, acc[c][0]);
+    _mm512_storeu_ps(ot + c * Mp + 16, acc[c][1]);
+  }
+}
+
+SPECDEC_INLINE uint16_t bits(c10::BFloat16 x) { return x.x; }
+
+// pp[j, m] = (bf16(s[2j, m]), bf16(s[2j + 1, m])) for rows [0, Mr) and pairs [0, nj);
+// the odd position past the end of a tile of odd length nt gets probability 0.
+SPECDEC_BF16_TARGET SPECDEC_INLINE void pair_probs(const float* s, int64_t nt, int64_t Mp,
+                                                   int64_t Mr, uint32_t* pp) {
+  // Interleaves the 16 lows (elements 0..15) with the 16 highs (16..31).
+  alignas(64) static const uint16_t kZip[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i zip = _mm512_load_si512(kZip);
+  for (int64_t j = 0; 2 * j < nt; ++j) {
+    for (int64_t r = 0; r < Mr; r += 16) {
+      const __m512 lo = _mm512_loadu_ps(s + 2 * j * Mp + r);
+      const __m512 hi = 2 * j + 1 < nt ? _mm512_loadu_ps(s + (2 * j + 1) * Mp + r)
+                                       : _mm512_setzero_ps();
+      const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo in 0..15, hi in 16..31
+      _mm512_storeu_si512(pp + j * Mp + r, _mm512_permutexvar_epi16(zip, halves));
+    }
+  }
+}
+
+// attend() for bfloat16 with vdpbf16ps.
+SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Workspace& ws,
+                                           int64_t b, int64_t h, int64_t s) {
+  const int64_t M = P.rows(b), Mr = (M + 31) / 32 * 32;
+  const int64_t D = P.D, Dp = P.Dp, Dh = (D + 1) / 2, Mp = P.Mp;
+  for (int64_t m = 0; m < Mr; ++m) {  // padding rows and the odd head dim: zero
+    const c10::BFloat16* src = m < M ? P.q + P.q_offset(b, h, m) : nullptr;
+    for (int64_t i = 0; i < Dh; ++i) {
+      const uint32_t lo = src ? bits(src[2 * i]) : 0;
+      const uint32_t hi = src && 2 * i + 1 < D ? bits(src[2 * i + 1]) : 0;
+      ws.qp[i * Mp + m] = lo | hi << 16;
+    }
+  }
+  reset_rows(ws, Mp, Dp, Mr);
+  const auto [p0, p1] = P.split_range(b, s);
+  for (int64_t p = p0; p < p1; p += kTile) {
+    const int64_t nt = std::min(kTile, p1 - p), nk = (nt + 7) / 8 * 8, nj = (nt + 1) / 2;
+    for (int64_t j = 0; j < nt; ++j) {  // keys [nt, nk): stale, their scores unused
+      std::memcpy(ws.kp + j * Dp / 2, P.k + P.kv_offset(b, p + j, h), D * sizeof(uint16_t));
+    }
+    for (int64_t j = 0; j < nj; ++j) {  // an odd tile's last pair gets a zero (finite) V row
+      const c10::BFloat16* lo = P.v + P.kv_offset(b, p + 2 * j, h);
+      const c10::BFloat16* hi = 2 * j + 1 < nt ? P.v + P.kv_offset(b, p + 2 * j + 1, h) : nullptr;
+      for (int64_t d = 0; d < D; ++d) {
+        ws.vp[j * Dp + d] = uint32_t(bits(lo[d])) | uint32_t(hi ? bits(hi[d]) : 0) << 16;
+      }
+    }
+    for (int64_t r = 0; r < Mr; r += 32) {
+      for (int64_t j = 0; j < nk; j += 8) {
+        score_block_bf16(ws.qp + r, ws.kp + j * Dp / 2, Dh, Dp, Mp, P.scale, ws.s + j * Mp + r);
+      }
+    }
+    mask_tile(P, ws.s, b, p, nt);
+    softmax_tile<16>(ws.s, Mp, Mr, nt, ws.mx, ws.l, ws.alpha);
+    pair_probs(ws.s, nt, Mp, Mr, ws.pp);
+    for (int64_t r = 0; r < Mr; r += 32) {
+      for (int64_t d = 0; d < Dp; d += 8) {
+        update_block_bf16(ws.pp + r, ws.vp + d, nj, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
 template <typename scalar_t>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_avx512(
     const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h, int64_t s) {
@@ -321,33 +465,44 @@ void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64
   attend<4>(P, ws, b, h, s);
 }
 
-// The widest build the CPU runs; SPECDEC_CPU_ISA=avx2|baseline caps it, so that the tests
-// exercise every build on one machine.
 template <typename scalar_t>
-auto pick_attend() {
+using AttendFn = void (*)(const Problem<scalar_t>&, Workspace&, int64_t, int64_t, int64_t);
+
+// The widest build the CPU runs for scalar_t; SPECDEC_CPU_ISA=avx512|avx2|baseline caps
+// it (avx512 leaves out the bf16 dot products), so that the tests exercise every build on
+// one machine.
+template <typename scalar_t>
+AttendFn<scalar_t> pick_attend() {
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                            __builtin_cpu_supports("f16c");
   static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                              __builtin_cpu_supports("avx512vl") &&
                              __builtin_cpu_supports("avx512bw");
+  static const bool avx512bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   const char* env = std::getenv("SPECDEC_CPU_ISA");
   const std::string cap = env ? env : "";
-  TORCH_CHECK(cap.empty() || cap == "avx512" || cap == "avx2" || cap == "baseline",
-              "SPECDEC_CPU_ISA must be avx512, avx2 or baseline, got '", cap, "'");
-  if (avx512 && (cap.empty() || cap == "avx512")) return &attend_avx512<scalar_t>;
+  TORCH_CHECK(cap.empty() || cap == "avx512bf16" || cap == "avx512" || cap == "avx2" ||
+                  cap == "baseline",
+              "SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2 or baseline, got '", cap, "'");
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (avx512bf16 && (cap.empty() || cap == "avx512bf16")) return &attend_avx512bf16;
+  }
+  if (avx512 && (cap.empty() || cap == "avx512bf16" || cap == "avx512")) {
+    return &attend_avx512<scalar_t>;
+  }
   if (avx2 && cap != "baseline") return &attend_avx2<scalar_t>;
   return &attend_baseline<scalar_t>;
 }
 
-// out[b, m / group, h * group + m % group, :] = o[m, :] / l[m] for the M valid rows
+// out[b, m / group, h * group + m % group, :] = ot[:, m] / l[m] for the M valid rows
 // (rows without any visible key have l = 0 and o = 0 and stay zero).
 template <typename scalar_t>
-void write_rows(const Problem<scalar_t>& P, scalar_t* out, int64_t b, int64_t h, const float* o,
+void write_rows(const Problem<scalar_t>& P, scalar_t* out, int64_t b, int64_t h, const float* ot,
                 const float* l) {
   for (int64_t m = 0; m < P.rows(b); ++m) {
     const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
     scalar_t* dst = out + P.q_offset(b, h, m);
-    for (int64_t d = 0; d < P.D; ++d) dst[d] = static_cast<scalar_t>(o[m * P.Dp + d] * inv);
+    for (int64_t d = 0; d < P.D; ++d) dst[d] = static_cast<scalar_t>(ot[d * P.Mp + m] * inv);
   }
 }
 
@@ -358,52 +513,66 @@ int64_t choose_splits(int64_t tasks, int64_t max_len) {
   return std::max<int64_t>(1, std::min(want, max_len / kMinSplit));
 }
 
+// Partial results of the S splits of each of `groups` (b, h) pairs (task g * S + s):
+// o^T [D, Mp], then max and sum [2, Mp].
+struct Partials {
+  int64_t S, Mp, D;
+  std::vector<float> o, ml;
+  Partials(int64_t groups, int64_t S, int64_t Mp, int64_t D)
+      : S(S), Mp(Mp), D(D), o(S > 1 ? groups * S * D * Mp : 0), ml(S > 1 ? groups * S * 2 * Mp : 0) {}
+  void save(int64_t t, const Workspace& ws) {
+    std::copy(ws.ot, ws.ot + D * Mp, o.data() + t * D * Mp);
+    std::copy(ws.mx, ws.mx + Mp, ml.data() + t * 2 * Mp);
+    std::copy(ws.l, ws.l + Mp, ml.data() + t * 2 * Mp + Mp);
+  }
+  // Merges the splits of (b, h) = task group g into ot [D, Mp] and l [Mp] (rows [0, M)).
+  void merge(int64_t g, int64_t M, float* ot, float* l) const {
+    std::vector<float> w(S * Mp);
+    for (int64_t m = 0; m < M; ++m) {
+      float mx = kNegInf;
+      for (int64_t s = 0; s < S; ++s) mx = std::max(mx, ml[(g * S + s) * 2 * Mp + m]);
+      l[m] = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        const float* sml = ml.data() + (g * S + s) * 2 * Mp;
+        // A split where the row saw nothing (or an empty split) has o = 0, l = 0.
+        w[s * Mp + m] = sml[m] == kNegInf ? 0.f : std::exp2(sml[m] - mx);
+        l[m] += w[s * Mp + m] * sml[Mp + m];
+      }
+    }
+    std::fill(ot, ot + D * Mp, 0.f);
+    for (int64_t s = 0; s < S; ++s) {
+      const float* so = o.data() + (g * S + s) * D * Mp;
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t m = 0; m < M; ++m) ot[d * Mp + m] += w[s * Mp + m] * so[d * Mp + m];
+      }
+    }
+  }
+};
+
 template <typename scalar_t>
 void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
-  const int64_t Mp = (P.T * P.group + kRows - 1) / kRows * kRows, Dp = P.Dp, S = P.splits;
+  const int64_t S = P.splits;
   const auto attend_fn = pick_attend<scalar_t>();
-  // Partial results of every (b, h, s) task when positions are split, merged below.
-  std::vector<float> part_o, part_ml;
-  if (S > 1) {
-    part_o.resize(B * P.Hkv * S * Mp * Dp);
-    part_ml.resize(B * P.Hkv * S * 2 * Mp);
-  }
+  Partials part(B * P.Hkv, S, P.Mp, P.D);
   at::parallel_for(0, B * P.Hkv * S, 1, [&](int64_t t0, int64_t t1) {
-    Workspace ws(Mp, P.D, Dp);
+    Workspace ws(P.Mp, P.Dp);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (P.Hkv * S), h = (t / S) % P.Hkv, s = t % S;
       attend_fn(P, ws, b, h, s);
       if (S == 1) {
-        write_rows(P, out, b, h, ws.o, ws.l);
-        continue;
+        write_rows(P, out, b, h, ws.ot, ws.l);
+      } else {
+        part.save(t, ws);
       }
-      const int64_t M = P.rows(b);
-      std::copy(ws.o, ws.o + M * Dp, part_o.data() + t * Mp * Dp);
-      std::copy(ws.mx, ws.mx + M, part_ml.data() + t * 2 * Mp);
-      std::copy(ws.l, ws.l + M, part_ml.data() + t * 2 * Mp + Mp);
     }
   });
   if (S == 1) return;
   at::parallel_for(0, B * P.Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> o(Mp * Dp), l(Mp);
+    std::vector<float> ot(P.D * P.Mp), l(P.Mp);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / P.Hkv, h = t % P.Hkv;
-      for (int64_t m = 0; m < P.rows(b); ++m) {
-        float mx = kNegInf;
-        for (int64_t s = 0; s < S; ++s) mx = std::max(mx, part_ml[(t * S + s) * 2 * Mp + m]);
-        std::fill(o.begin() + m * Dp, o.begin() + (m + 1) * Dp, 0.f);
-        l[m] = 0.f;
-        if (mx == kNegInf) continue;  // no visible key in any split
-        for (int64_t s = 0; s < S; ++s) {
-          const float* ml = part_ml.data() + (t * S + s) * 2 * Mp;
-          if (ml[m] == kNegInf) continue;  // empty split: its o was never written
-          const float w = std::exp2(ml[m] - mx);
-          l[m] += w * ml[Mp + m];
-          const float* po = part_o.data() + ((t * S + s) * Mp + m) * Dp;
-          for (int64_t d = 0; d < P.D; ++d) o[m * Dp + d] += w * po[d];
-        }
-      }
-      write_rows(P, out, b, h, o.data(), l.data());
+      part.merge(t, P.rows(b), ot.data(), l.data());
+      write_rows(P, out, b, h, ot.data(), l.data());
     }
   });
 }
@@ -413,7 +582,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                const at::Tensor& block_table, const at::Tensor& cache_lens,
                const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale) {
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k_cache.size(2);
+  const int64_t Hkv = k_cache.size(2), group = Hq / Hkv;
   Problem<scalar_t> P{q.data_ptr<scalar_t>(),
                       k_cache.data_ptr<scalar_t>(),
                       v_cache.data_ptr<scalar_t>(),
@@ -425,13 +594,14 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       Hq,
                       Hkv,
                       D,
-                      (D + kMaxPanel - 1) / kMaxPanel * kMaxPanel,
-                      Hq / Hkv,
+                      group,
                       k_cache.size(1),
                       block_table.size(1),
                       tree_mask.size(2),
                       1,
-                      static_cast<float>(sm_scale * kLog2e)};
+                      static_cast<float>(sm_scale * kLog2e),
+                      (D + kMaxCols - 1) / kMaxCols * kMaxCols,
+                      (T * group + kMaxPanel - 1) / kMaxPanel * kMaxPanel};
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, P.length(b));
   P.splits = choose_splits(B * Hkv, max_len);
