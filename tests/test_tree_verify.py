@@ -102,17 +102,50 @@ def test_bf16_long_context(device, backend):
 ISA_LEVEL = {"DEFAULT": 0, "NO AVX": 0, "AVX2": 1, "AVX512": 2, "ZVECTOR": 0, "VSX": 0}
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_isa_builds(isa, dtype, device, monkeypatch):
-    """The C++ CPU kernel is compiled for AVX-512, AVX2 and the baseline ISA and runs the
-    widest the CPU has; SPECDEC_CPU_ISA caps it so the narrower builds are tested too."""
+def _cpu_has_avx512_bf16():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
+def _skip_unless_isa(isa, device):
+    """Skips unless the C++ CPU kernel can run build `isa` (a SPECDEC_CPU_ISA value) here."""
     if device.type != "cpu":
         pytest.skip("CPU kernel builds")
-    if isa == "avx2" and ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0) < 1:
-        pytest.skip("this CPU has no AVX2")
+    need = {"baseline": 0, "avx2": 1, "avx512": 2, "avx512bf16": 2}[isa]
+    if ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0) < need:
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    if isa == "avx512bf16" and not _cpu_has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_isa_builds(isa, dtype, device, monkeypatch):
+    """The C++ CPU kernel is compiled for AVX-512 (+ a bf16 dot-product build for bfloat16),
+    AVX2 and the baseline ISA and runs the widest the CPU has; SPECDEC_CPU_ISA caps it so
+    the narrower builds are tested too."""
+    _skip_unless_isa(isa, device)
     monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
     check(make_case(2, 20, 8, 2, 40, 4, dtype, device, cache_lens=[300, 7]), "cpp")
+
+
+@pytest.mark.parametrize("D", [35, 128])
+def test_bf16_dot_product_build(D, device, monkeypatch):
+    """The vdpbf16ps build pairs head dims (odd D: a zero partner) and key positions (a
+    tile of odd length: a zero partner), and rounds the probabilities to bf16: against the
+    reference and against the float build (SPECDEC_CPU_ISA=avx512), rows padded to 32
+    (group 3, 7 nodes: 21 rows), positions split across tasks (one long request)."""
+    _skip_unless_isa("avx512bf16", device)
+    case = make_case(2, 7, 6, 2, D, 4, torch.bfloat16, device, cache_lens=[777, 12], full=True)
+    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512bf16")
+    dot = check(case, "cpp")
+    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512")
+    flt = check(case, "cpp")
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(dot.double(), flt.double(), atol=tol, rtol=tol)
 
 
 def test_contiguous_per_sequence_cache(device, backend):
