@@ -9,7 +9,7 @@
 #   env      find a python with CUDA torch (else try to pip install one), pytest/scipy/ninja
 #   build    JIT-build the C++/CUDA library for sm_90 (TORCH_CUDA_ARCH_LIST=9.0)
 #   ops      pytest --device cuda -x -q over the op tests (CUDA C++ and Triton kernels)
-#   bench_*  the microbenchmarks, --device cuda, JSON results under $OUT
+#   bench_*  the microbenchmarks, --device cuda, JSON results copied to $OUT/bench_<op>_cuda.json
 #   memcheck / racecheck / synccheck   compute-sanitizer over a small script calling every op
 #   rest     pytest --device cuda -x -q over the remaining tests
 set -u
@@ -93,16 +93,20 @@ for t in "${OP_TESTS[@]}"; do [ -f "$t" ] && EXISTING_OP_TESTS+=("$t"); done
 run_step ops 200 "$PY" -m pytest --device cuda -x -q -rs --junitxml="$OUT/ops_junit.xml" "${EXISTING_OP_TESTS[@]}"
 
 # ---- microbenchmarks ----
-[ -f benchmarks/bench_tree_verify.py ] && {
-  run_step bench_tree_verify_cpp 90 "$PY" benchmarks/bench_tree_verify.py --device cuda --backend cpp \
-    --dtypes float32,bfloat16 --json "$OUT/bench_tree_verify_cpp.json"
-  run_step bench_tree_verify_triton 90 "$PY" benchmarks/bench_tree_verify.py --device cuda --backend triton \
-    --dtypes bfloat16 --json "$OUT/bench_tree_verify_triton.json"
+# Each writes benchmarks/out/<op>_cuda.json after every row (so a timeout keeps what was
+# measured), copied into $OUT after the step. Defaults on CUDA: backends cpp,triton beside the
+# naive reference, decode sizes, inputs rotated past the L2, bandwidth against the copy bandwidth.
+run_bench() {  # run_bench OP MAX_SECONDS
+  [ -f "benchmarks/bench_$1.py" ] || return 0
+  rm -f "benchmarks/out/$1_cuda.json"
+  run_step "bench_$1" "$2" "$PY" "benchmarks/bench_$1.py" --device cuda
+  [ -f "benchmarks/out/$1_cuda.json" ] && cp "benchmarks/out/$1_cuda.json" "$OUT/bench_$1_cuda.json"
+  return 0
 }
-[ -f benchmarks/bench_rejection.py ] && run_step bench_rejection 90 "$PY" benchmarks/bench_rejection.py \
-  --device cuda --backends cpp,triton --json "$OUT/bench_rejection.json"
-[ -f benchmarks/bench_compact_kv.py ] && run_step bench_compact_kv 60 "$PY" benchmarks/bench_compact_kv.py \
-  --device cuda --backends cpp,triton --json "$OUT/bench_compact_kv.json"
+run_bench compact_kv 60
+run_bench tree_verify 150
+run_bench rejection 100
+run_bench build_tree_mask 45
 
 # ---- compute-sanitizer over one small call of every op (CUDA C++ kernels) ----
 SANITIZE_PY="$OUT/sanitize_ops.py"
