@@ -192,10 +192,9 @@ SPECDEC_INLINE void score_block(const float* qt, const float* kt, int64_t D, int
   vfloat acc[C][2] = {};
   for (int64_t d = 0; d < D; ++d) {
     const vfloat q0 = load<W>(qt + d * Mp), q1 = load<W>(qt + d * Mp + W);
-    for (int c = 0; c < C; ++c) {
-      const vfloat kv = splat<W>(kt[c * Dp + d]);
-      acc[c][0] = kv * q0 + acc[c][0];
-      acc[c][1] = kv * q1 + acc[c][1];
+    for (int c = 0; c < C; ++c) {  // a scalar operand: broadcast by the FMA itself
+      acc[c][0] = q0 * kt[c * Dp + d] + acc[c][0];
+      acc[c][1] = q1 * kt[c * Dp + d] + acc[c][1];
     }
   }
   for (int c = 0; c < C; ++c) {
@@ -219,9 +218,8 @@ SPECDEC_INLINE void update_block(const float* p, const float* vt, int64_t nt, in
   for (int64_t n = 0; n < nt; ++n) {
     const vfloat p0 = load<W>(p + n * Mp), p1 = load<W>(p + n * Mp + W);
     for (int c = 0; c < C; ++c) {
-      const vfloat vv = splat<W>(vt[n * Dp + c]);
-      acc[c][0] = vv * p0 + acc[c][0];
-      acc[c][1] = vv * p1 + acc[c][1];
+      acc[c][0] = p0 * vt[n * Dp + c] + acc[c][0];
+      acc[c][1] = p1 * vt[n * Dp + c] + acc[c][1];
     }
   }
   for (int c = 0; c < C; ++c) {
@@ -238,6 +236,22 @@ SPECDEC_INLINE void stage_rows(const Problem<scalar_t>& P, const scalar_t* src, 
   for (int64_t j = 0; j < nt; ++j) {
     const scalar_t* row = src + P.kv_offset(b, p + j, h);
     for (int64_t d = 0; d < P.D; ++d) dst[j * P.Dp + d] = static_cast<float>(row[d]);
+  }
+}
+
+// Asks for the K and V rows of positions [p, p + nt) of (b, h) to be brought into the cache
+// while the previous tile computes: rows of consecutive positions are Hkv * D elements
+// apart (usually a page or more), which the hardware prefetchers do not follow.
+template <typename scalar_t>
+SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t h, int64_t p,
+                                  int64_t nt) {
+  const int64_t bytes = P.D * int64_t(sizeof(scalar_t));
+  for (int64_t j = 0; j < nt; ++j) {
+    const int64_t off = P.kv_offset(b, p + j, h);
+    for (int64_t i = 0; i < bytes; i += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(P.k + off) + i);
+      __builtin_prefetch(reinterpret_cast<const char*>(P.v + off) + i);
+    }
   }
 }
 
@@ -307,6 +321,7 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
     const int64_t nt = std::min(kTile, p1 - p), nk = (nt + C - 1) / C * C;
     stage_rows(P, P.k, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, their scores unused
     stage_rows(P, P.v, ws.vt, b, h, p, nt);
+    prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
     for (int64_t r = 0; r < Mr; r += 2 * W) {
       for (int64_t j = 0; j < nk; j += C) {
         score_block<W>(ws.qt + r, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + r);
@@ -429,6 +444,7 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
         ws.vp[j * Dp + d] = uint32_t(bits(lo[d])) | uint32_t(hi ? bits(hi[d]) : 0) << 16;
       }
     }
+    prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
     for (int64_t r = 0; r < Mr; r += 32) {
       for (int64_t j = 0; j < nk; j += 8) {
         score_block_bf16(ws.qp + r, ws.kp + j * Dp / 2, Dh, Dp, Mp, P.scale, ws.s + j * Mp + r);
