@@ -187,7 +187,7 @@ def goal_status(ok):
 def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 1e4 else f"{v:.3g}"
-    return str(v)
+    return "-" if v is None else str(v)
 
 
 def print_table(rows, columns):
@@ -316,7 +316,10 @@ class BenchRun:
         write_json(self.path, self.rows, self.meta)
 
     def finish(self, columns):
+        """Prints the summary table of the given columns (those some row has) and keeps them in
+        the JSON meta, for render_results.py."""
+        self.meta["columns"] = [c for c in columns if any(c in r for r in self.rows)]
         print()
-        print_table(self.rows, [c for c in columns if any(c in r for r in self.rows)])
+        print_table(self.rows, self.meta["columns"])
         write_json(self.path, self.rows, self.meta)
         print(f"wrote {self.path}")
