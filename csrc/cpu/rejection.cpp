@@ -11,19 +11,31 @@
 // computed and accumulated in float64 (a float32 exp would move them by ~1e-6 relative, and
 // the decisions with them), so the accept / reject decisions and the sampled token agree
 // with the float64 reference unless a uniform falls within ~1e-15 of a decision boundary.
+//
+// The per-token loops (row max, softmax, draft subtraction, sums, the sampling scan) run on
+// GCC vectors of W doubles with a vectorised float64 exp (< 1 ulp), compiled for AVX-512
+// (W = 8), AVX2 + FMA (W = 4) and the baseline ISA (W = 2); the best build the CPU runs is
+// picked at run time. Rows without a top-k / top-p filter keep every token (a dense support:
+// no token ids). The residual starts as the row's probabilities themselves and is written
+// only when a rejection changes it.
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <numeric>
+#include <string>
+#include <type_traits>
 
 #include "ops.h"
+
+// Every vector helper is always_inline, so the vector ABI change warned about never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace specdec {
 namespace {
@@ -68,31 +80,121 @@ struct DraftProbs {
 #define SPECDEC_DRAFT_DTYPES AT_EXPAND(AT_FLOATING_TYPES), at::kHalf, at::kBFloat16, \
                              AT_EXPAND(AT_FLOAT8_TYPES)
 
-// q(x) of draft row `row` (= b * T + node).
-double draft_prob(const DraftProbs& dp, int64_t row, int32_t x) {
-  double q = 0.0;
-  AT_DISPATCH_V2(dp.dtype, "tree_rejection_sample", AT_WRAP([&] {
-    q = static_cast<double>(static_cast<const scalar_t*>(dp.data)[row * dp.V + x]);
-  }), SPECDEC_DRAFT_DTYPES);
-  return q;
+
+// ---------------------------------------------------------------- vectors of W doubles
+template <int W>
+struct Simd {
+  typedef double d __attribute__((vector_size(W * sizeof(double))));
+  typedef float f __attribute__((vector_size(W * sizeof(float))));
+  typedef uint64_t u __attribute__((vector_size(W * sizeof(uint64_t))));
+  typedef int64_t i __attribute__((vector_size(W * sizeof(int64_t))));
+};
+
+#define SPECDEC_INLINE __attribute__((always_inline)) inline
+
+template <int W>
+SPECDEC_INLINE typename Simd<W>::d splat(double x) {
+  return typename Simd<W>::d{} + x;
+}
+template <int W>
+SPECDEC_INLINE void store(double* p, typename Simd<W>::d v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+// Lanes [0, m) of v to p.
+template <int W>
+SPECDEC_INLINE void store_part(double* p, typename Simd<W>::d v, int64_t m) {
+  for (int64_t j = 0; j < m; ++j) p[j] = v[j];
+}
+template <int W>
+SPECDEC_INLINE double hsum(typename Simd<W>::d v) {
+  double s = 0.0;
+  for (int j = 0; j < W; ++j) s += v[j];
+  return s;
 }
 
-// r <- max(r / rsum - q, 0) over the support (r is 0 elsewhere and stays 0: q >= 0);
-// returns the new sum. NaN propagates as in torch.clamp, so a NaN draft row triggers the reset.
-double subtract_draft(const DraftProbs& dp, int64_t row, const int32_t* tok, double* r,
-                      int64_t n, double rsum) {
-  double sum = 0.0;
-  AT_DISPATCH_V2(dp.dtype, "tree_rejection_sample", AT_WRAP([&] {
-    const scalar_t* q = static_cast<const scalar_t*>(dp.data) + row * dp.V;
-    for (int64_t i = 0; i < n; ++i) {
-      const double v = r[i] / rsum - static_cast<double>(q[tok[i]]);
-      r[i] = v < 0.0 ? 0.0 : v;
-      sum += r[i];
+// W values of p as doubles (logits go through float, as the scalar code reads them).
+template <int W, typename T>
+SPECDEC_INLINE typename Simd<W>::d load(const T* p) {
+  if constexpr (std::is_same_v<T, double>) {
+    typename Simd<W>::d v;
+    __builtin_memcpy(&v, p, sizeof(v));
+    return v;
+  } else {
+    typename Simd<W>::f v;
+    if constexpr (std::is_same_v<T, float>) {
+      __builtin_memcpy(&v, p, sizeof(v));
+    } else {
+      for (int j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]);
     }
-  }), SPECDEC_DRAFT_DTYPES);
-  return sum;
+    return __builtin_convertvector(v, typename Simd<W>::d);
+  }
+}
+// Lanes [0, m) from p, the others `fill`.
+template <int W, typename T>
+SPECDEC_INLINE typename Simd<W>::d load_part(const T* p, int64_t m, double fill) {
+  typename Simd<W>::d v = splat<W>(fill);
+  for (int64_t j = 0; j < m; ++j) v[j] = static_cast<float>(p[j]);
+  return v;
+}
+template <int W>
+SPECDEC_INLINE typename Simd<W>::d load_part(const double* p, int64_t m, double fill) {
+  typename Simd<W>::d v = splat<W>(fill);
+  for (int64_t j = 0; j < m; ++j) v[j] = p[j];
+  return v;
 }
 
+// exp(x) in float64 within 1 ulp: Cody-Waite reduction x = k ln2 + r, |r| <= ln2 / 2 (ln2
+// split in a 32-bit head, so that k * head is exact, and a tail), the Taylor series of
+// exp(r) to degree 13 (truncation < 5e-18), then 2^k applied as two exact power-of-two
+// factors, so that subnormal results are rounded once and x <= -745.2 (-inf included) gives 0.
+template <int W>
+SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
+  using vd = typename Simd<W>::d;
+  using vu = typename Simd<W>::u;
+  const vd lo = splat<W>(-1100.0);  // exp underflows to 0 well above; keeps inf - inf away
+  const vd xc = x < lo ? lo : x;
+  // Adding 1.5 * 2^52 rounds to an integer k, which then sits in the low mantissa bits.
+  const vd round = splat<W>(6755399441055744.0);
+  const vd shifted = xc * 1.4426950408889634 + round;
+  const vd k = shifted - round;
+  const vd r = (xc - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10;
+  vd q = splat<W>(1.0 / 6227020800.0);  // 1 / 13!
+  q = q * r + 1.0 / 479001600.0;
+  q = q * r + 1.0 / 39916800.0;
+  q = q * r + 1.0 / 3628800.0;
+  q = q * r + 1.0 / 362880.0;
+  q = q * r + 1.0 / 40320.0;
+  q = q * r + 1.0 / 5040.0;
+  q = q * r + 1.0 / 720.0;
+  q = q * r + 1.0 / 120.0;
+  q = q * r + 1.0 / 24.0;
+  q = q * r + 1.0 / 6.0;
+  q = q * r + 0.5;
+  const vd e = (r + r * r * q) + 1.0;  // the small part first: one rounding at the end
+  // k + 2048 in [461, 3072] (x in [-1100, 709.8]) split into halves k1 + k2, each a normal
+  // power of two (biased exponents k1 + 1023, k2 + 1023 in [1, 2046]).
+  vu kb;
+  __builtin_memcpy(&kb, &shifted, sizeof(kb));
+  kb = kb - 0x4338000000000000ull + 2048;  // 0x4338... = the bits of `round`
+  const vu h = kb >> 1;
+  const vu b1 = (h + (1023 - 1024)) << 52;
+  const vu b2 = (kb - h + (1023 - 1024)) << 52;
+  vd s1, s2;
+  __builtin_memcpy(&s1, &b1, sizeof(s1));
+  __builtin_memcpy(&s2, &b2, sizeof(s2));
+  return e * s1 * s2;
+}
+
+// Sum of v[0, n).
+template <int W>
+SPECDEC_INLINE double sum_of(const double* v, int64_t n) {
+  typename Simd<W>::d acc{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) acc += load<W>(v + i);
+  return hsum<W>(acc + load_part<W>(v + i, n - i, 0.0));
+}
+
+// ---------------------------------------------------------------- one row
 void check_row(bool ok, int64_t b, int64_t node) {
   TORCH_CHECK(ok, "target_logits[", b, ", ", node,
               "] has NaN, +inf or only -inf entries (a row the rejection walk visits must have "
@@ -117,20 +219,39 @@ int32_t argmax_checked(const scalar_t* row, int64_t V, int64_t b, int64_t node) 
   return arg;
 }
 
-// Max logit of a row, and its top-k cut: the k-th largest logit (duplicates counted) when
-// 0 < k < V, else -inf. Throws on a NaN / +inf / all -inf row. scratch holds >= V doubles.
+// Max logit of a row as a double; throws on a NaN / +inf / all -inf row.
+template <int W, typename scalar_t>
+SPECDEC_INLINE double row_max(const scalar_t* row, int64_t V, int64_t b, int64_t node) {
+  using vd = typename Simd<W>::d;
+  vd max = splat<W>(kNegInf);
+  typename Simd<W>::i nan{};
+  int64_t t = 0;
+  for (; t + W <= V; t += W) {
+    const vd x = load<W>(row + t);
+    nan |= x != x;
+    max = x > max ? x : max;
+  }
+  const vd x = load_part<W>(row + t, V - t, kNegInf);
+  nan |= x != x;
+  max = x > max ? x : max;
+  double m = kNegInf;
+  bool any_nan = false;
+  for (int j = 0; j < W; ++j) {
+    m = max[j] > m ? max[j] : m;
+    any_nan |= nan[j] != 0;
+  }
+  check_row(!any_nan && std::isfinite(m), b, node);
+  return m;
+}
+
+// The top-k cut of a row: the k-th largest logit (duplicates counted), 0 < k < V. Throws on a
+// NaN / +inf / all -inf row. scratch holds >= V doubles. Returns (max, cut).
 template <typename scalar_t>
 std::pair<double, double> max_and_cut(const scalar_t* row, int64_t V, int64_t k, double* scratch,
                                       int64_t b, int64_t node) {
   bool nan = false;
   double max = kNegInf, cut = kNegInf;
-  if (k <= 0 || k >= V) {
-    for (int64_t t = 0; t < V; ++t) {
-      const double x = static_cast<float>(row[t]);
-      nan |= x != x;
-      max = x > max ? x : max;
-    }
-  } else if (k > kMaxHeapTopK) {
+  if (k > kMaxHeapTopK) {
     for (int64_t t = 0; t < V; ++t) {
       scratch[t] = static_cast<float>(row[t]);
       nan |= scratch[t] != scratch[t];
@@ -162,6 +283,24 @@ std::pair<double, double> max_and_cut(const scalar_t* row, int64_t V, int64_t k,
   }
   check_row(!nan && std::isfinite(max), b, node);
   return {max, cut};
+}
+
+// out[i] = exp(in[i] / temperature - zmax) for i < n (in may alias out); returns their sum.
+// Dividing (not multiplying by 1 / temperature) keeps the reference's rounding of the logits.
+template <int W, typename T>
+SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double temperature, double zmax,
+                                    double* out) {
+  using vd = typename Simd<W>::d;
+  vd acc{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const vd e = vexp<W>(load<W>(in + i) / temperature - zmax);
+    store<W>(out + i, e);
+    acc += e;
+  }
+  const vd e = vexp<W>(load_part<W>(in + i, n - i, kNegInf) / temperature - zmax);  // pad: 0
+  store_part<W>(out + i, e, n - i);
+  return hsum<W>(acc + e);
 }
 
 // Log-scale bucket of a probability in (0, 1]: 128 buckets per factor of 2
@@ -233,56 +372,154 @@ double top_p_threshold(const double* p, int64_t n, double mass, Scratch& s) {
   return select_cut(cand, m, above, mass, s.tmp.get(), cand);
 }
 
-// Support of one row of the processed distribution (reference.process_logits, unnormalised):
-// writes s.tok / s.p [0, n), returns n and sets sum.
-template <typename scalar_t>
-int64_t process_row(const scalar_t* row, int64_t V, const Params& prm, int64_t b, int64_t node,
-                    Scratch& s, double& sum) {
-  const auto [max, cut] = max_and_cut(row, V, prm.top_k, s.r.get(), b, node);
-  // softmax(logits / temperature) restricted to the top-k survivors (all tokens if off)
-  const double zmax = max / prm.temperature;
+// The support of a processed row (reference.process_logits, unnormalised): probabilities
+// s.p[0, n) of the tokens s.tok[0, n), or of tokens 0 .. n - 1 when dense.
+struct Row {
+  int64_t n;
+  double sum;
+  bool dense;
+  // Position of token x in the support, or -1.
+  int64_t find(const int32_t* tok, int32_t x) const {
+    if (dense) return x;
+    const int64_t i = std::lower_bound(tok, tok + n, x) - tok;
+    return i < n && tok[i] == x ? i : -1;
+  }
+};
+
+template <int W, typename scalar_t>
+SPECDEC_INLINE Row process_row(const scalar_t* logits, int64_t V, const Params& prm, int64_t b,
+                               int64_t node, Scratch& s) {
   int32_t* tok = s.tok.get();
   double* p = s.p.get();
-  int64_t n = 0;
-  sum = 0.0;
-  for (int64_t t = 0; t < V; ++t) {
-    const double x = static_cast<float>(row[t]);
-    if (x >= cut) {
+  Row row{V, 0.0, true};
+  if (0 < prm.top_k && prm.top_k < V) {
+    const auto [max, cut] = max_and_cut(logits, V, prm.top_k, s.r.get(), b, node);
+    int64_t n = 0;
+    for (int64_t t = 0; t < V; ++t) {  // the survivors' logits, without branches
+      const double x = static_cast<float>(logits[t]);
       tok[n] = static_cast<int32_t>(t);
-      p[n] = std::exp(x / prm.temperature - zmax);
-      sum += p[n++];
+      p[n] = x;
+      n += x >= cut;
     }
+    row = {n, softmax_terms<W>(p, n, prm.temperature, max / prm.temperature, p), false};
+  } else {
+    const double max = row_max<W>(logits, V, b, node);
+    row.sum = softmax_terms<W>(logits, V, prm.temperature, max / prm.temperature, p);
   }
   if (prm.top_p < 1.0) {
-    const double tau = top_p_threshold(p, n, prm.top_p * sum, s);
+    const double tau = top_p_threshold(p, row.n, prm.top_p * row.sum, s);
     int64_t kept = 0;
-    sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < row.n; ++i) {
       if (p[i] >= tau) {
-        tok[kept] = tok[i];
+        tok[kept] = row.dense ? static_cast<int32_t>(i) : tok[i];
         p[kept] = p[i];
         sum += p[kept++];
       }
     }
-    n = kept;
+    row = {kept, sum, false};
   }
-  return n;
+  return row;
 }
 
-// Inverse CDF in token order: the first token whose cumulative mass exceeds u * total.
-int32_t sample(const int32_t* tok, const double* r, int64_t n, double u) {
+// ---------------------------------------------------------------- residual updates
+// q(x) of draft row `row` (= b * T + node).
+double draft_prob(const DraftProbs& dp, int64_t row, int32_t x) {
+  double q = 0.0;
+  AT_DISPATCH_V2(dp.dtype, "tree_rejection_sample", AT_WRAP([&] {
+    q = static_cast<double>(static_cast<const scalar_t*>(dp.data)[row * dp.V + x]);
+  }), SPECDEC_DRAFT_DTYPES);
+  return q;
+}
+
+// dst <- max(src / rsum - q, 0) over the support (the residual is 0 elsewhere and stays 0:
+// q >= 0); returns the new sum. NaN propagates as in torch.clamp, so a NaN draft row
+// triggers the reset. Scalar, for the draft dtypes without a vector build.
+double subtract_draft_any(const DraftProbs& dp, int64_t row, const int32_t* tok, bool dense,
+                          const double* src, double* dst, int64_t n, double rsum) {
+  double sum = 0.0;
+  AT_DISPATCH_V2(dp.dtype, "tree_rejection_sample", AT_WRAP([&] {
+    const scalar_t* q = static_cast<const scalar_t*>(dp.data) + row * dp.V;
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = src[i] / rsum - static_cast<double>(q[dense ? i : tok[i]]);
+      dst[i] = v < 0.0 ? 0.0 : v;
+      sum += dst[i];
+    }
+  }), SPECDEC_DRAFT_DTYPES);
+  return sum;
+}
+
+// q of support entries [i, i + m), m <= W; lanes from m on are 0.
+template <int W, typename Q>
+SPECDEC_INLINE typename Simd<W>::d draft_part(const Q* q, const int32_t* tok, bool dense,
+                                              int64_t i, int64_t m) {
+  if (dense) return m == W ? load<W>(q + i) : load_part<W>(q + i, m, 0.0);
+  typename Simd<W>::d v{};
+  for (int64_t j = 0; j < m; ++j) v[j] = static_cast<double>(q[tok[i + j]]);
+  return v;
+}
+
+// subtract_draft_any for float / double draft rows q [V], on vectors.
+template <int W, typename Q>
+SPECDEC_INLINE double subtract_draft_vec(const Q* q, const int32_t* tok, bool dense,
+                                         const double* src, double* dst, int64_t n, double rsum) {
+  using vd = typename Simd<W>::d;
+  vd acc{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    vd v = load<W>(src + i) / rsum - draft_part<W>(q, tok, dense, i, W);
+    v = v < 0.0 ? vd{} : v;
+    store<W>(dst + i, v);
+    acc += v;
+  }
+  vd v = load_part<W>(src + i, n - i, 0.0) / rsum - draft_part<W>(q, tok, dense, i, n - i);
+  v = v < 0.0 ? vd{} : v;
+  store_part<W>(dst + i, v, n - i);
+  return hsum<W>(acc + v);
+}
+
+template <int W>
+SPECDEC_INLINE double subtract_draft(const DraftProbs& dp, int64_t row, const int32_t* tok,
+                                     bool dense, const double* src, double* dst, int64_t n,
+                                     double rsum) {
+  if (dp.dtype == at::kFloat) {
+    return subtract_draft_vec<W>(static_cast<const float*>(dp.data) + row * dp.V, tok, dense, src,
+                                 dst, n, rsum);
+  }
+  if (dp.dtype == at::kDouble) {
+    return subtract_draft_vec<W>(static_cast<const double*>(dp.data) + row * dp.V, tok, dense,
+                                 src, dst, n, rsum);
+  }
+  return subtract_draft_any(dp, row, tok, dense, src, dst, n, rsum);
+}
+
+// Inverse CDF in support order: the first entry whose cumulative mass exceeds u * total.
+// The mass advances by vector sums of blocks of kScanBlock entries (the total is their sum
+// in the same order) and only the block where it crosses the target is scanned one by one.
+constexpr int64_t kScanBlock = 64;
+
+template <int W>
+SPECDEC_INLINE int64_t sample_index(const double* r, int64_t n, double u) {
   double total = 0.0;
-  for (int64_t i = 0; i < n; ++i) total += r[i];
+  for (int64_t i = 0; i < n; i += kScanBlock) total += sum_of<W>(r + i, std::min(kScanBlock, n - i));
   const double target = u * total;
   double cum = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    cum += r[i];
-    if (cum > target) return tok[i];
+  for (int64_t i = 0; i < n; i += kScanBlock) {
+    const int64_t m = std::min(kScanBlock, n - i);
+    const double next = cum + sum_of<W>(r + i, m);
+    if (next > target) {
+      double c = cum;
+      for (int64_t j = i; j < i + m; ++j) {
+        c += r[j];
+        if (c > target) return j;
+      }
+    }
+    cum = next;
   }
   for (int64_t i = n - 1; i >= 0; --i) {  // u * total rounded up to the total
-    if (r[i] > 0.0) return tok[i];
+    if (r[i] > 0.0) return i;
   }
-  return tok[n - 1];
+  return n - 1;
 }
 
 // One request's inputs and outputs.
@@ -324,51 +561,98 @@ void walk_greedy(const scalar_t* logits, const Request& rq) {
   *rq.num_accepted = static_cast<int32_t>(k);
 }
 
-template <typename scalar_t>
-void walk_sampled(const scalar_t* logits, const DraftProbs& dp, const Request& rq, Scratch& s) {
+template <int W, typename scalar_t>
+SPECDEC_INLINE void walk_sampled(const scalar_t* logits, const DraftProbs& dp, const Request& rq,
+                                 Scratch& s) {
   const int32_t* tok = s.tok.get();
   const double* p = s.p.get();
-  double* r = s.r.get();
+  double* rbuf = s.r.get();
   int64_t u = 0, k = 0;
   rq.accepted[0] = 0;
-  double psum = 0.0;
-  int64_t n = process_row(logits, rq.V, rq.prm, rq.b, 0, s, psum);
-  std::copy(p, p + n, r);
-  double rsum = psum;
+  Row row = process_row<W>(logits, rq.V, rq.prm, rq.b, 0, s);
+  const double* r = p;  // the residual: p until a rejection writes rbuf
+  double rsum = row.sum;
   while (true) {
     int64_t next = -1;
     for (int64_t c = next_child(rq, u, -1); c >= 0; c = next_child(rq, u, c)) {
       const int32_t x = rq.draft[c];
-      const int64_t i = std::lower_bound(tok, tok + n, x) - tok;
-      const bool in_support = i < n && tok[i] == x;
-      const double rx = in_support ? r[i] : 0.0;
+      const int64_t i = row.find(tok, x);
+      const double rx = i >= 0 ? r[i] : 0.0;
       const double qx = dp.data ? draft_prob(dp, rq.b * rq.T + u, x) : 1.0;
       if (static_cast<double>(rq.uniforms[c]) * qx * rsum < rx) {
         next = c;
         break;
       }
       if (dp.data) {
-        rsum = subtract_draft(dp, rq.b * rq.T + u, tok, r, n, rsum);
-      } else if (in_support) {
-        r[i] = 0.0;
+        rsum = subtract_draft<W>(dp, rq.b * rq.T + u, tok, row.dense, r, rbuf, row.n, rsum);
+        r = rbuf;
+      } else if (i >= 0) {
+        if (r == p) std::copy(p, p + row.n, rbuf);
+        r = rbuf;
+        rbuf[i] = 0.0;
         const double left = rsum - rx;
-        rsum = left < rsum * kCancellation ? std::accumulate(r, r + n, 0.0) : left;
+        rsum = left < rsum * kCancellation ? sum_of<W>(rbuf, row.n) : left;
       }
       if (!(rsum > 0.0)) {  // inconsistent draft probabilities emptied the residual
-        std::copy(p, p + n, r);
-        rsum = psum;
+        r = p;
+        rsum = row.sum;
       }
     }
     if (next < 0) break;
     u = next;
     rq.accepted[++k] = static_cast<int32_t>(u);
     rq.tokens[k - 1] = rq.draft[u];
-    n = process_row(logits + u * rq.V, rq.V, rq.prm, rq.b, u, s, psum);
-    std::copy(p, p + n, r);
-    rsum = psum;
+    row = process_row<W>(logits + u * rq.V, rq.V, rq.prm, rq.b, u, s);
+    r = p;
+    rsum = row.sum;
   }
-  rq.tokens[k] = sample(tok, r, n, static_cast<double>(rq.uniforms[rq.T]));
+  const int64_t i = sample_index<W>(r, row.n, static_cast<double>(rq.uniforms[rq.T]));
+  rq.tokens[k] = static_cast<int32_t>(row.dense ? i : tok[i]);
   *rq.num_accepted = static_cast<int32_t>(k);
+}
+
+// ---------------------------------------------------------------- dispatch
+template <typename scalar_t>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"))) void walk_avx512(
+    const scalar_t* logits, const DraftProbs& dp, const Request& rq, Scratch& s) {
+  walk_sampled<8>(logits, dp, rq, s);
+}
+
+template <typename scalar_t>
+__attribute__((target("avx2,fma,f16c"))) void walk_avx2(const scalar_t* logits,
+                                                        const DraftProbs& dp, const Request& rq,
+                                                        Scratch& s) {
+  walk_sampled<4>(logits, dp, rq, s);
+}
+
+template <typename scalar_t>
+void walk_baseline(const scalar_t* logits, const DraftProbs& dp, const Request& rq, Scratch& s) {
+  walk_sampled<2>(logits, dp, rq, s);
+}
+
+template <typename scalar_t>
+using WalkFn = void (*)(const scalar_t*, const DraftProbs&, const Request&, Scratch&);
+
+// The widest build the CPU runs; SPECDEC_CPU_ISA=avx512|avx2|baseline caps it (as for
+// tree_verify; avx512bf16 means avx512 here), so that the tests exercise every build.
+template <typename scalar_t>
+WalkFn<scalar_t> pick_walk() {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512vl") &&
+                             __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512dq");
+  const char* env = std::getenv("SPECDEC_CPU_ISA");
+  const std::string cap = env ? env : "";
+  TORCH_CHECK(cap.empty() || cap == "avx512bf16" || cap == "avx512" || cap == "avx2" ||
+                  cap == "baseline",
+              "SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2 or baseline, got '", cap, "'");
+  if (avx512 && (cap.empty() || cap == "avx512bf16" || cap == "avx512")) {
+    return &walk_avx512<scalar_t>;
+  }
+  if (avx2 && cap != "baseline") return &walk_avx2<scalar_t>;
+  return &walk_baseline<scalar_t>;
 }
 
 }  // namespace
@@ -397,6 +681,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
   int32_t* out = tokens.data_ptr<int32_t>();
   AT_DISPATCH_V2(target_logits.scalar_type(), "tree_rejection_sample_cpu", AT_WRAP([&] {
     const scalar_t* logits = target_logits.data_ptr<scalar_t>();
+    const WalkFn<scalar_t> walk_sampled = pick_walk<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       std::unique_ptr<Scratch> s;  // only sampled requests need it
       for (int64_t b = b0; b < b1; ++b) {
