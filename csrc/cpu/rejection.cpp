@@ -88,6 +88,7 @@ struct Simd {
   typedef float f __attribute__((vector_size(W * sizeof(float))));
   typedef uint64_t u __attribute__((vector_size(W * sizeof(uint64_t))));
   typedef int64_t i __attribute__((vector_size(W * sizeof(int64_t))));
+  typedef int32_t i32 __attribute__((vector_size(W * sizeof(int32_t))));
 };
 
 #define SPECDEC_INLINE __attribute__((always_inline)) inline
@@ -143,10 +144,11 @@ SPECDEC_INLINE typename Simd<W>::d load_part(const double* p, int64_t m, double 
   return v;
 }
 
-// exp(x) in float64 within 1 ulp: Cody-Waite reduction x = k ln2 + r, |r| <= ln2 / 2 (ln2
-// split in a 32-bit head, so that k * head is exact, and a tail), the Taylor series of
-// exp(r) to degree 13 (truncation < 5e-18), then 2^k applied as two exact power-of-two
-// factors, so that subnormal results are rounded once and x <= -745.2 (-inf included) gives 0.
+// exp(x) in float64 within 1.05 ulp: Cody-Waite reduction x = k ln2 + r, |r| <= ln2 / 2 (ln2
+// split in a 32-bit head, so that k * head is exact, and a tail), exp(r) = 1 + r + r^2 Q(r)
+// with Q the degree-9 Chebyshev fit of (exp(r) - 1 - r) / r^2 (|error| * r^2 < 2e-17), then
+// 2^k applied as two exact power-of-two factors, so that subnormal results are rounded once
+// and x <= -745.2 (-inf included) gives 0.
 template <int W>
 SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
   using vd = typename Simd<W>::d;
@@ -158,18 +160,16 @@ SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
   const vd shifted = xc * 1.4426950408889634 + round;
   const vd k = shifted - round;
   const vd r = (xc - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10;
-  vd q = splat<W>(1.0 / 6227020800.0);  // 1 / 13!
-  q = q * r + 1.0 / 479001600.0;
-  q = q * r + 1.0 / 39916800.0;
-  q = q * r + 1.0 / 3628800.0;
-  q = q * r + 1.0 / 362880.0;
-  q = q * r + 1.0 / 40320.0;
-  q = q * r + 1.0 / 5040.0;
-  q = q * r + 1.0 / 720.0;
-  q = q * r + 1.0 / 120.0;
-  q = q * r + 1.0 / 24.0;
-  q = q * r + 1.0 / 6.0;
-  q = q * r + 0.5;
+  vd q = splat<W>(2.5100375929185925e-08);
+  q = q * r + 2.762007600563138e-07;
+  q = q * r + 2.7557268480106926e-06;
+  q = q * r + 2.480152132210459e-05;
+  q = q * r + 0.00019841269863040675;
+  q = q * r + 0.001388888891719689;
+  q = q * r + 0.008333333333330065;
+  q = q * r + 0.041666666666624164;
+  q = q * r + 0.16666666666666669;
+  q = q * r + 0.5000000000000001;
   const vd e = (r + r * r * q) + 1.0;  // the small part first: one rounding at the end
   // k + 2048 in [461, 3072] (x in [-1100, 709.8]) split into halves k1 + k2, each a normal
   // power of two (biased exponents k1 + 1023, k2 + 1023 in [1, 2046]).
@@ -219,24 +219,27 @@ int32_t argmax_checked(const scalar_t* row, int64_t V, int64_t b, int64_t node) 
   return arg;
 }
 
-// Max logit of a row as a double; throws on a NaN / +inf / all -inf row.
+// Max logit of a row; throws on a NaN / +inf / all -inf row. Vectors of 2 W floats.
 template <int W, typename scalar_t>
 SPECDEC_INLINE double row_max(const scalar_t* row, int64_t V, int64_t b, int64_t node) {
-  using vd = typename Simd<W>::d;
-  vd max = splat<W>(kNegInf);
-  typename Simd<W>::i nan{};
-  int64_t t = 0;
-  for (; t + W <= V; t += W) {
-    const vd x = load<W>(row + t);
+  constexpr int L = 2 * W;
+  using vf = typename Simd<L>::f;
+  constexpr float kLow = -std::numeric_limits<float>::infinity();
+  vf max = vf{} + kLow;
+  typename Simd<L>::i32 nan{};
+  for (int64_t t = 0; t < V; t += L) {
+    vf x = vf{} + kLow;
+    if (t + L <= V && std::is_same_v<scalar_t, float>) {
+      __builtin_memcpy(&x, row + t, sizeof(x));
+    } else {
+      for (int64_t j = 0; j < std::min<int64_t>(L, V - t); ++j) x[j] = static_cast<float>(row[t + j]);
+    }
     nan |= x != x;
     max = x > max ? x : max;
   }
-  const vd x = load_part<W>(row + t, V - t, kNegInf);
-  nan |= x != x;
-  max = x > max ? x : max;
-  double m = kNegInf;
+  float m = kLow;
   bool any_nan = false;
-  for (int j = 0; j < W; ++j) {
+  for (int j = 0; j < L; ++j) {
     m = max[j] > m ? max[j] : m;
     any_nan |= nan[j] != 0;
   }
@@ -285,20 +288,23 @@ std::pair<double, double> max_and_cut(const scalar_t* row, int64_t V, int64_t k,
   return {max, cut};
 }
 
-// out[i] = exp(in[i] / temperature - zmax) for i < n (in may alias out); returns their sum.
-// Dividing (not multiplying by 1 / temperature) keeps the reference's rounding of the logits.
+// out[i] = exp(in[i] / temperature - max / temperature) for i < n (in may alias out); returns
+// their sum. The logits are multiplied by 1 / temperature: within 1 ulp of the reference's
+// division (a relative change of |logit / temperature| * 1.1e-16 in a probability), and the
+// max logit still gives exp(0) = 1 exactly.
 template <int W, typename T>
-SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double temperature, double zmax,
+SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double temperature, double max,
                                     double* out) {
   using vd = typename Simd<W>::d;
+  const double inv = 1.0 / temperature, zmax = max * inv;
   vd acc{};
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const vd e = vexp<W>(load<W>(in + i) / temperature - zmax);
+    const vd e = vexp<W>(load<W>(in + i) * inv - zmax);
     store<W>(out + i, e);
     acc += e;
   }
-  const vd e = vexp<W>(load_part<W>(in + i, n - i, kNegInf) / temperature - zmax);  // pad: 0
+  const vd e = vexp<W>(load_part<W>(in + i, n - i, kNegInf) * inv - zmax);  // pad: 0
   store_part<W>(out + i, e, n - i);
   return hsum<W>(acc + e);
 }
@@ -401,10 +407,10 @@ SPECDEC_INLINE Row process_row(const scalar_t* logits, int64_t V, const Params& 
       p[n] = x;
       n += x >= cut;
     }
-    row = {n, softmax_terms<W>(p, n, prm.temperature, max / prm.temperature, p), false};
+    row = {n, softmax_terms<W>(p, n, prm.temperature, max, p), false};
   } else {
     const double max = row_max<W>(logits, V, b, node);
-    row.sum = softmax_terms<W>(logits, V, prm.temperature, max / prm.temperature, p);
+    row.sum = softmax_terms<W>(logits, V, prm.temperature, max, p);
   }
   if (prm.top_p < 1.0) {
     const double tau = top_p_threshold(p, row.n, prm.top_p * row.sum, s);
