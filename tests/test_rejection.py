@@ -130,6 +130,44 @@ def test_large_top_k_and_vocab(device, backend):
     assert_same(run(args, device, backend), run_reference(args), args)
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_logit_scales_and_masked_tokens(scale, device, backend):
+    """Exact agreement at extreme logit scales, with -inf (masked) tokens in half the requests.
+
+    The C++ kernel computes the probabilities with its own vectorised float64 exp: scale 1e-3
+    puts every exponent near 0, scale 1e3 spreads them over [-1e4, 0] (underflow to 0, the
+    subnormal range, exp(-inf) = 0), so any error above ~1 ulp would show as a different walk.
+    """
+    for V in (37, 1000):  # shorter than and several times the vector width
+        args = random_problem(32, 10, V, "random", bool(torch.rand(()) < 0.5), temperatures=(0.5, 1.0, 2.0))
+        logits = torch.randn(32, 10, V) * scale
+        masked = (torch.rand(32, 1, V) < 0.3) & (torch.arange(32) % 2 == 0)[:, None, None]
+        masked = masked & (logits != logits.amax(-1, keepdim=True))  # keep each row's max finite
+        args["target_logits"] = logits.masked_fill(masked, float("-inf"))
+        assert_same(run(args, device, backend), run_reference(args), args)
+
+
+ISA_LEVEL = {"DEFAULT": 0, "NO AVX": 0, "AVX2": 1, "AVX512": 2, "ZVECTOR": 0, "VSX": 0}
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+@pytest.mark.parametrize("with_dp", [None, torch.float32, torch.float64, torch.bfloat16],
+                         ids=["point_mass", "dp_float32", "dp_float64", "dp_bfloat16"])
+def test_cpu_isa_builds(isa, with_dp, device, monkeypatch):
+    """The C++ CPU kernel is compiled for AVX-512, AVX2 and the baseline ISA (vector widths
+    8, 4, 2 doubles) and runs the widest the CPU has; SPECDEC_CPU_ISA caps it so the narrower
+    builds are tested too. float32 / float64 draft rows take the vector subtraction, other
+    dtypes a scalar one; odd V leaves a partial vector at the end of every loop."""
+    if device.type != "cpu":
+        pytest.skip("CPU kernel builds")
+    if ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0) < {"baseline": 0, "avx2": 1, "avx512": 2}[isa]:
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+    for V in (131, 1027):
+        args = random_problem(24, 10, V, "bushy", with_dp is not None, dp_dtype=with_dp or torch.float32)
+        assert_same(run(args, device, "cpp"), run_reference(args), args)
+
+
 @pytest.mark.parametrize("mode", ["greedy", "top_k_1", "tiny_top_p"])
 @pytest.mark.parametrize("with_dp", [False, True], ids=["point_mass", "draft_probs"])
 def test_greedy_is_argmax_walk(mode, with_dp, device, backend):
