@@ -1,4 +1,5 @@
 """specdec.train: self-distillation shards, the differentiable head pass, training, resume, loading."""
+import json
 import os
 import types
 
@@ -138,7 +139,10 @@ def test_training_decreases_loss_resumes_and_loads(target, data_dir, tmp_path):
 
 def test_bf16_output_is_small_and_loads(target, data_dir, tmp_path):
     out = str(tmp_path / "bf16")
-    _train(target, data_dir, out, epochs=1, save_dtype=torch.bfloat16)
+    log = _train(target, data_dir, out, epochs=1, save_dtype=torch.bfloat16, val_seqs=load_shards(data_dir)[:2])
+    with open(os.path.join(out, "training.json")) as f:
+        held_out = json.load(f)["held_out"]
+    assert held_out == [log[-1]] and held_out[0]["epoch"] == 1.0 and 0 <= held_out[0]["val"]["top1"] <= 1
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(out, "model.safetensors"))

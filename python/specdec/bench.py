@@ -278,17 +278,10 @@ def run(args) -> int:
 
 def _load_head(args, model):
     from .eagle import load_head
+    from .heads import shipped_head_path
 
     path = args.head or shipped_head_path(args.model)
     return load_head(path, model) if path else None
-
-
-def shipped_head_path(model_path=None) -> str | None:
-    """The head trained for the default model (package data), None for other models."""
-    if model_path is not None:
-        return None
-    path = os.path.join(os.path.dirname(__file__), "heads", "smollm2-135m-instruct")
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
 def _load_hf(model_path):

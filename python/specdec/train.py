@@ -90,7 +90,9 @@ def generate_shards(model, tokenizer, prompt_ids: list, data_dir: str, batch_siz
     Shard tensors: tokens int32 [N] (sequences concatenated), lengths int32 [n],
     prompt_lens int32 [n], hidden bf16 [N, dim]."""
     os.makedirs(data_dir, exist_ok=True)
-    manifest = {"num_prompts": len(prompt_ids), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+    # everything that decides a shard's content (not the prompt count: the prompt list is
+    # prefix-stable in --num-prompts, so a run can be extended with more shards)
+    manifest = {"batch_size": batch_size, "max_new_tokens": max_new_tokens,
                 "temperature": temperature, "seed": seed, "dim": model.args.dim,
                 "vocab_size": model.args.vocab_size}
     _check_manifest(data_dir, manifest)
@@ -140,13 +142,17 @@ def _write_shard(path, seqs, prompt_lens):
     os.replace(tmp, path)  # a shard exists only once complete
 
 
-def load_shards(data_dir: str) -> list:
-    """All complete shards -> list of (tokens long [S], hidden bf16 [S, dim], prompt_len)."""
+def shard_paths(data_dir: str) -> list:
+    """The complete shards of a data directory, in order."""
+    return [os.path.join(data_dir, n) for n in sorted(os.listdir(data_dir))
+            if n.startswith("shard_") and n.endswith(".safetensors")]
+
+
+def load_shards(data_dir: str, paths: list | None = None) -> list:
+    """Shards (default: all complete ones) -> list of (tokens long [S], hidden bf16 [S, dim], prompt_len)."""
     seqs = []
-    for name in sorted(os.listdir(data_dir)):
-        if not (name.startswith("shard_") and name.endswith(".safetensors")):
-            continue
-        t = load_file(os.path.join(data_dir, name))
+    for path in shard_paths(data_dir) if paths is None else paths:
+        t = load_file(path)
         lengths = t["lengths"].tolist()
         for tok, hid, p in zip(t["tokens"].split(lengths), t["hidden"].split(lengths), t["prompt_lens"].tolist()):
             seqs.append((tok.long(), hid, p))
@@ -227,10 +233,12 @@ def head_loss(head, batch, vocab, noise: float, generator=None):
 
 def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size: int = 8, lr: float = 5e-4,
                noise: float = 0.2, full_vocab_ce: bool = False, checkpoint_every: int = 100,
-               save_dtype=torch.bfloat16, seed: int = 0, progress: bool = True, max_steps: int | None = None):
+               save_dtype=torch.bfloat16, seed: int = 0, progress: bool = True, max_steps: int | None = None,
+               val_seqs: list | None = None):
     """Trains a fresh EAGLE-2 head on self-distillation sequences and saves it to `output`
-    (resuming from output/checkpoint.pt if present). Returns the per-step log
-    [{"step", "loss", "feature_loss", "token_loss", "acc"}] of this call."""
+    (resuming from output/checkpoint.pt if present); val_seqs (held-out sequences) are
+    scored at the end of every epoch. Returns the per-step log [{"step", "loss",
+    "feature_loss", "token_loss", "acc"}] of this call (plus {"epoch", "val"} records)."""
     from .eagle import EagleHead
 
     seqs = [s for s in seqs if len(s[0]) - 2 > max(s[2] - 2, 0)]  # something to predict
@@ -275,6 +283,13 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
             bar.update(1)
         if step % checkpoint_every == 0 or step == stop:
             _checkpoint(os.path.join(output, CHECKPOINT), head, opt, sched, step)
+        if val_seqs and (step % steps_per_epoch == 0 or step == total):
+            log.append({"epoch": step / steps_per_epoch, "val": evaluate(head, val_seqs, batch_size)})
+            msg = f"epoch {step / steps_per_epoch:.2f}: held-out {log[-1]['val']}"
+            if bar:
+                bar.write(msg)
+            else:
+                print(msg, file=sys.stderr)
     if bar:
         bar.close()
     if step == total:
@@ -282,8 +297,23 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         with open(os.path.join(output, "training.json"), "w") as f:
             json.dump({"steps": total, "epochs": epochs, "batch_size": batch_size, "lr": lr, "noise": noise,
                        "sequences": len(seqs), "vocab_for_ce": len(vocab), "seconds_this_call":
-                       time.perf_counter() - t0, "final": running}, f, indent=2)
+                       time.perf_counter() - t0, "final": running,
+                       "held_out": [r for r in log if "val" in r]}, f, indent=2)
     return log
+
+
+@torch.no_grad()
+def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
+    """Teacher-forced depth-1 metrics on held-out sequences, over the full vocabulary:
+    {"feature_loss", "top1"} (top-1 = how often the first draft would be accepted, greedy)."""
+    fl, hits, n = 0.0, 0, 0
+    for i in range(0, len(seqs), batch_size):
+        tok_in, feat_in, feat_out, labels, mask = make_batch(seqs[i:i + batch_size])
+        pred = head_train_forward(head, tok_in, feat_in)[mask]
+        fl += F.smooth_l1_loss(pred, feat_out[mask], reduction="none").mean(-1).sum().item()
+        hits += (head.logits(pred).argmax(-1) == labels[mask]).sum().item()
+        n += len(pred)
+    return {"feature_loss": round(fl / n, 4), "top1": round(hits / n, 4), "positions": n}
 
 
 def _checkpoint(path, head, opt, sched, step):
@@ -326,6 +356,7 @@ def add_arguments(p):
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width, relative to the feature RMS")
     p.add_argument("--full-vocab-ce", action="store_true",
                    help="cross-entropy over the whole vocabulary (default: over the tokens of the data)")
+    p.add_argument("--val-shards", type=int, default=1, help="last shards held out for per-epoch validation")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="dtype of the saved head")
@@ -357,7 +388,11 @@ def run(args) -> int:
                         args.gen_temperature, args.seed, args.max_shards, progress)
     if args.stage in ("all", "train"):
         model, _ = load_model(args.model)
-        train_head(model, load_shards(data_dir), args.output, epochs=args.epochs, batch_size=args.batch_size,
+        shards = shard_paths(data_dir)
+        if args.val_shards >= len(shards):
+            raise InvalidRequestError(f"{data_dir} has {len(shards)} shards: too few to hold {args.val_shards} out")
+        cut = len(shards) - args.val_shards
+        train_head(model, load_shards(data_dir, shards[:cut]), args.output, val_seqs=load_shards(data_dir, shards[cut:]), epochs=args.epochs, batch_size=args.batch_size,
                    lr=args.lr, noise=args.noise, full_vocab_ce=args.full_vocab_ce,
                    checkpoint_every=args.checkpoint_every, save_dtype=getattr(torch, args.dtype),
                    seed=args.seed, progress=progress)
