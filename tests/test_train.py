@@ -57,7 +57,7 @@ def test_train_forward_matches_cached_head(target):
     tokens = torch.randint(1, 48, (1, S))
     features = torch.randn(1, S, 32)
     with torch.no_grad():
-        ours = head_train_forward(head, tokens, features)
+        ours, second = head_train_forward(head, tokens, features, steps=2)
         cache = head.new_cache(1, 16)
         slots = torch.zeros(1, dtype=torch.long)
         parents = torch.arange(-1, S - 1, dtype=torch.int32)[None]
@@ -65,6 +65,21 @@ def test_train_forward_matches_cached_head(target):
         mask, depth = ops.build_tree_mask(parents, num)
         ref = head(tokens, features, cache, slots, cache.cache_lens[slots], 0, num, mask, depth)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+    # training-time test: pass 2 at position t is the depth-1 draft node drafted after
+    # committing positions 0..t-1: token t + 1 with the head's own feature pred_1[t - 1]
+    one = torch.ones(1, dtype=torch.int32)
+    node_mask, _ = ops.build_tree_mask(torch.full((1, 1), -1, dtype=torch.int32), one)
+    for t in (1, 4, S - 1):
+        cache = head.new_cache(1, 16)
+        with torch.no_grad():
+            n = torch.tensor([t], dtype=torch.int32)
+            chain_mask, chain_depth = ops.build_tree_mask(parents[:, :t].contiguous(), n)
+            head(tokens[:, :t], features[:, :t], cache, slots, cache.cache_lens[slots], 0, n, chain_mask, chain_depth)
+            cache.cache_lens[0] = t
+            draft = head(tokens[:, t:t + 1], ours[:, t - 1:t], cache, slots, cache.cache_lens[slots], 0, one,
+                         node_mask, torch.tensor([[t]]))
+        torch.testing.assert_close(second[:, t], draft[:, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_shards_hold_the_targets_greedy_answers_and_features(target, data_dir):
@@ -133,13 +148,15 @@ def test_training_decreases_loss_resumes_and_loads(target, data_dir, tmp_path):
     # the loaded head computes what training optimised: its top-1 accuracy on the data is high
     tok_in, feat_in, _, labels, mask = make_batch(load_shards(data_dir))
     with torch.no_grad():
-        pred = a.logits(head_train_forward(a, tok_in, feat_in)).argmax(-1)
+        pred = a.logits(head_train_forward(a, tok_in, feat_in)[0]).argmax(-1)
     assert (pred[mask] == labels[mask]).float().mean() > 0.5
 
 
-def test_bf16_output_is_small_and_loads(target, data_dir, tmp_path):
+def test_training_time_test_and_bf16_output(target, data_dir, tmp_path):
     out = str(tmp_path / "bf16")
-    log = _train(target, data_dir, out, epochs=1, save_dtype=torch.bfloat16, val_seqs=load_shards(data_dir)[:2])
+    log = _train(target, data_dir, out, epochs=1, save_dtype=torch.bfloat16, val_seqs=load_shards(data_dir)[:2],
+                 ttt_steps=2)
+    assert all(len(r["acc_by_depth"]) == 2 for r in log[:-1])  # training-time test: depths 1 and 2
     with open(os.path.join(out, "training.json")) as f:
         held_out = json.load(f)["held_out"]
     assert held_out == [log[-1]] and held_out[0]["epoch"] == 1.0 and 0 <= held_out[0]["val"]["top1"] <= 1

@@ -172,23 +172,46 @@ CHECKPOINT = "checkpoint.pt"
 FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's v_w / p_w
 
 
-def head_train_forward(head, tokens, features):
-    """Differentiable causal pass of an EAGLE-1/2 head over whole sequences: the same maths
-    as EagleHead.forward over its paged cache, with SDPA so autograd works.
+def head_train_forward(head, tokens, features, steps: int = 1) -> list:
+    """Differentiable causal passes of an EAGLE-1/2 head over whole sequences: the maths of
+    EagleHead.forward over its paged cache, with SDPA so autograd works.
 
-    tokens: long [B, S] (token t + 1 at position t); features: [B, S, dim] (feature t)
-    -> hidden [B, S, dim] (predicted feature t + 1)."""
+    tokens: long [B, S] (token t + 1 at position t); features: [B, S, dim] (feature t).
+    Returns [pred_1, ..., pred_steps], each [B, S, dim] (predicted feature t + 1). pred_1
+    reads the target's features. Pass s > 1 is EAGLE-3's training-time test: position t
+    reads pred_{s-1}[t - 1], i.e. it is the depth-s draft node below committed position
+    t - s + 1, and attends to what that node sees while drafting: committed positions
+    <= t - s + 1 (keys of pass 1) and its draft ancestors (position t - s + u of pass u).
+    Rows t < s - 1 have no committed ancestor: callers ignore them."""
     B, S = tokens.shape
-    x = head.fc(torch.cat((head.target.tok_embeddings(tokens), features), dim=-1))
+    emb = head.target.tok_embeddings(tokens)
     cos, sin = head._rope(torch.arange(S, device=tokens.device)[None].expand(B, S))
     gqa = head.args.n_heads != head.args.n_kv_heads
+    keys, values, preds = [], [], []
+    feats = features
+    for step in range(1, steps + 1):
+        mask = _draft_mask(S, step, tokens.device)
 
-    def attend(q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=head.scale, enable_gqa=gqa)
-        return out.transpose(1, 2)
+        def attend(q, k, v):
+            keys.append(k)
+            values.append(v)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2), torch.cat(values, 1).transpose(1, 2),
+                attn_mask=mask, scale=head.scale, enable_gqa=gqa)
+            return out.transpose(1, 2)
 
-    return head.layer(x, cos, sin, attend)  # attention_norm is the identity for EAGLE-1/2
+        x = head.fc(torch.cat((emb, feats), dim=-1))
+        preds.append(head.layer(x, cos, sin, attend))  # attention_norm is the identity for EAGLE-1/2
+        feats = torch.cat((features[:, :1], preds[-1][:, :-1]), dim=1)
+    return preds
+
+
+def _draft_mask(S: int, step: int, device) -> torch.Tensor:
+    """bool [S, step * S]: query t of pass `step` sees pass-1 keys j <= t - step + 1 and the
+    pass-u key j == t - step + u for u = 2..step (causal for step 1)."""
+    t = torch.arange(S, device=device)[:, None]
+    j = torch.arange(S, device=device)[None]
+    return torch.cat([j <= t - step + 1] + [j == t - step + u for u in range(2, step + 1)], dim=1)
 
 
 def make_batch(seqs: list):
@@ -213,8 +236,9 @@ def make_batch(seqs: list):
     return tok_in, feat_in, feat_out, labels, mask
 
 
-def head_loss(head, batch, vocab, noise: float, generator=None):
-    """EAGLE-1/2 loss of one batch -> (loss, feature loss, token loss, top-1 accuracy).
+def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
+    """EAGLE-1/2 loss of one batch, averaged over `steps` training-time-test passes ->
+    (loss, feature loss, token loss, [top-1 accuracy of each pass = draft depth]).
 
     vocab: long [Vs] target ids the cross-entropy ranges over (every label among them)."""
     tok_in, feat_in, feat_out, labels, mask = batch
@@ -222,21 +246,26 @@ def head_loss(head, batch, vocab, noise: float, generator=None):
         rms = feat_in.pow(2).mean(-1, keepdim=True).sqrt()
         u = torch.rand(feat_in.shape, generator=generator, device=feat_in.device)
         feat_in = feat_in + (u - 0.5) * noise * rms
-    pred = head_train_forward(head, tok_in, feat_in)[mask]
-    feature_loss = F.smooth_l1_loss(pred, feat_out[mask], reduction="none").mean(-1).mean()
-    logits = pred @ head.target.output.weight[vocab].float().T
-    index = torch.searchsorted(vocab, labels[mask])
-    token_loss = F.cross_entropy(logits, index)
-    acc = (logits.argmax(-1) == index).float().mean()
-    return FEATURE_WEIGHT * feature_loss + TOKEN_WEIGHT * token_loss, feature_loss, token_loss, acc
+    w = head.target.output.weight[vocab].float()
+    fl, tl, accs = 0.0, 0.0, []
+    for step, pred in enumerate(head_train_forward(head, tok_in, feat_in, steps)):
+        m = mask.clone()
+        m[:, :step] = False  # no committed ancestor
+        logits = pred[m] @ w.T
+        index = torch.searchsorted(vocab, labels[m])
+        fl = fl + F.smooth_l1_loss(pred[m], feat_out[m], reduction="none").mean(-1).mean() / steps
+        tl = tl + F.cross_entropy(logits, index) / steps
+        accs.append((logits.argmax(-1) == index).float().mean().item())
+    return FEATURE_WEIGHT * fl + TOKEN_WEIGHT * tl, fl, tl, accs
 
 
 def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size: int = 8, lr: float = 5e-4,
                noise: float = 0.2, full_vocab_ce: bool = False, checkpoint_every: int = 100,
                save_dtype=torch.bfloat16, seed: int = 0, progress: bool = True, max_steps: int | None = None,
-               val_seqs: list | None = None):
+               val_seqs: list | None = None, ttt_steps: int = 1):
     """Trains a fresh EAGLE-2 head on self-distillation sequences and saves it to `output`
-    (resuming from output/checkpoint.pt if present); val_seqs (held-out sequences) are
+    (resuming from output/checkpoint.pt if present); ttt_steps > 1 adds training-time-test
+    passes on the head's own predictions (EAGLE-3 style); val_seqs (held-out sequences) are
     scored at the end of every epoch. Returns the per-step log [{"step", "loss",
     "feature_loss", "token_loss", "acc"}] of this call (plus {"epoch", "val"} records)."""
     from .eagle import EagleHead
@@ -267,7 +296,7 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed + epoch))
         batch = make_batch([seqs[j] for j in order[i * batch_size:(i + 1) * batch_size].tolist()])
         noise_gen = torch.Generator().manual_seed(seed * 7919 + step)
-        loss, fl, tl, acc = head_loss(head, batch, vocab, noise, noise_gen)
+        loss, fl, tl, accs = head_loss(head, batch, vocab, noise, noise_gen, ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -275,11 +304,14 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         sched.step()
         step += 1
         rec = {"step": step, "loss": loss.item(), "feature_loss": fl.item(), "token_loss": tl.item(),
-               "acc": acc.item()}
+               "acc": accs[0], "acc_by_depth": accs}
         log.append(rec)
-        running = rec if running is None else {k: 0.9 * running[k] + 0.1 * v for k, v in rec.items()}
+        running = dict(rec) if running is None else {
+            k: [0.9 * a + 0.1 * b for a, b in zip(running[k], v)] if k == "acc_by_depth" else 0.9 * running[k] + 0.1 * v
+            for k, v in rec.items()}
         if bar:
-            bar.set_postfix(loss=f"{running['loss']:.3f}", top1=f"{running['acc']:.3f}", epoch=epoch)
+            bar.set_postfix(loss=f"{running['loss']:.3f}", epoch=epoch,
+                            top1="/".join(f"{a:.2f}" for a in running["acc_by_depth"]))
             bar.update(1)
         if step % checkpoint_every == 0 or step == stop:
             _checkpoint(os.path.join(output, CHECKPOINT), head, opt, sched, step)
@@ -296,7 +328,7 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         head.to(save_dtype).save(output)
         with open(os.path.join(output, "training.json"), "w") as f:
             json.dump({"steps": total, "epochs": epochs, "batch_size": batch_size, "lr": lr, "noise": noise,
-                       "sequences": len(seqs), "vocab_for_ce": len(vocab), "seconds_this_call":
+                       "ttt_steps": ttt_steps, "sequences": len(seqs), "vocab_for_ce": len(vocab), "seconds_this_call":
                        time.perf_counter() - t0, "final": running,
                        "held_out": [r for r in log if "val" in r]}, f, indent=2)
     return log
@@ -309,7 +341,7 @@ def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
     fl, hits, n = 0.0, 0, 0
     for i in range(0, len(seqs), batch_size):
         tok_in, feat_in, feat_out, labels, mask = make_batch(seqs[i:i + batch_size])
-        pred = head_train_forward(head, tok_in, feat_in)[mask]
+        pred = head_train_forward(head, tok_in, feat_in)[0][mask]
         fl += F.smooth_l1_loss(pred, feat_out[mask], reduction="none").mean(-1).sum().item()
         hits += (head.logits(pred).argmax(-1) == labels[mask]).sum().item()
         n += len(pred)
@@ -353,6 +385,8 @@ def add_arguments(p):
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--ttt-steps", type=int, default=1,
+                   help="passes per batch; > 1 trains on the head's own predicted features (EAGLE-3 training-time test)")
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width, relative to the feature RMS")
     p.add_argument("--full-vocab-ce", action="store_true",
                    help="cross-entropy over the whole vocabulary (default: over the tokens of the data)")
@@ -394,7 +428,7 @@ def run(args) -> int:
         cut = len(shards) - args.val_shards
         train_head(model, load_shards(data_dir, shards[:cut]), args.output, val_seqs=load_shards(data_dir, shards[cut:]), epochs=args.epochs, batch_size=args.batch_size,
                    lr=args.lr, noise=args.noise, full_vocab_ce=args.full_vocab_ce,
-                   checkpoint_every=args.checkpoint_every, save_dtype=getattr(torch, args.dtype),
+                   checkpoint_every=args.checkpoint_every, ttt_steps=args.ttt_steps, save_dtype=getattr(torch, args.dtype),
                    seed=args.seed, progress=progress)
     return 0
 
