@@ -148,8 +148,9 @@ SPECDEC_INLINE typename Simd<W>::d load_part(const double* p, int64_t m, double 
 // split in a 32-bit head, so that k * head is exact, and a tail), exp(r) = 1 + r + r^2 Q(r)
 // with Q the degree-9 Chebyshev fit of (exp(r) - 1 - r) / r^2 (|error| * r^2 < 2e-17), then
 // 2^k applied as two exact power-of-two factors, so that subnormal results are rounded once
-// and x <= -745.2 (-inf included) gives 0.
-template <int W>
+// and x <= -745.2 (-inf included) gives 0. kTiny = false: only for x in [-708, 709], where
+// 2^k is normal and one factor does.
+template <int W, bool kTiny>
 SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
   using vd = typename Simd<W>::d;
   using vu = typename Simd<W>::u;
@@ -171,11 +172,18 @@ SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
   q = q * r + 0.16666666666666669;
   q = q * r + 0.5000000000000001;
   const vd e = (r + r * r * q) + 1.0;  // the small part first: one rounding at the end
-  // k + 2048 in [461, 3072] (x in [-1100, 709.8]) split into halves k1 + k2, each a normal
-  // power of two (biased exponents k1 + 1023, k2 + 1023 in [1, 2046]).
   vu kb;
   __builtin_memcpy(&kb, &shifted, sizeof(kb));
-  kb = kb - 0x4338000000000000ull + 2048;  // 0x4338... = the bits of `round`
+  kb = kb - 0x4338000000000000ull;  // k (0x4338... = the bits of `round`)
+  if constexpr (!kTiny) {  // 2^k is normal: one factor
+    const vu bits = (kb + 1023) << 52;
+    vd scale;
+    __builtin_memcpy(&scale, &bits, sizeof(scale));
+    return e * scale;
+  }
+  // k + 2048 in [461, 3072] (x in [-1100, 709.8]) split into halves k1 + k2, each a normal
+  // power of two (biased exponents k1 + 1023, k2 + 1023 in [1, 2046]).
+  kb += 2048;
   const vu h = kb >> 1;
   const vu b1 = (h + (1023 - 1024)) << 52;
   const vu b2 = (kb - h + (1023 - 1024)) << 52;
@@ -219,16 +227,16 @@ int32_t argmax_checked(const scalar_t* row, int64_t V, int64_t b, int64_t node) 
   return arg;
 }
 
-// Max logit of a row; throws on a NaN / +inf / all -inf row. Vectors of 2 W floats.
+// (min, max) logit of a row; throws on a NaN / +inf / all -inf row. Vectors of 2 W floats.
 template <int W, typename scalar_t>
-SPECDEC_INLINE double row_max(const scalar_t* row, int64_t V, int64_t b, int64_t node) {
+SPECDEC_INLINE std::pair<double, double> row_range(const scalar_t* row, int64_t V, int64_t b,
+                                                   int64_t node) {
   constexpr int L = 2 * W;
   using vf = typename Simd<L>::f;
-  constexpr float kLow = -std::numeric_limits<float>::infinity();
-  vf max = vf{} + kLow;
+  vf min = vf{} + static_cast<float>(row[0]), max = min;
   typename Simd<L>::i32 nan{};
   for (int64_t t = 0; t < V; t += L) {
-    vf x = vf{} + kLow;
+    vf x = vf{} + static_cast<float>(row[t]);  // a partial vector is padded with row[t]
     if (t + L <= V && std::is_same_v<scalar_t, float>) {
       __builtin_memcpy(&x, row + t, sizeof(x));
     } else {
@@ -236,15 +244,17 @@ SPECDEC_INLINE double row_max(const scalar_t* row, int64_t V, int64_t b, int64_t
     }
     nan |= x != x;
     max = x > max ? x : max;
+    min = x < min ? x : min;
   }
-  float m = kLow;
+  float lo = min[0], hi = max[0];
   bool any_nan = false;
   for (int j = 0; j < L; ++j) {
-    m = max[j] > m ? max[j] : m;
+    lo = min[j] < lo ? min[j] : lo;
+    hi = max[j] > hi ? max[j] : hi;
     any_nan |= nan[j] != 0;
   }
-  check_row(!any_nan && std::isfinite(m), b, node);
-  return m;
+  check_row(!any_nan && std::isfinite(hi), b, node);
+  return {lo, hi};
 }
 
 // The top-k cut of a row: the k-th largest logit (duplicates counted), 0 < k < V. Throws on a
@@ -291,22 +301,32 @@ std::pair<double, double> max_and_cut(const scalar_t* row, int64_t V, int64_t k,
 // out[i] = exp(in[i] / temperature - max / temperature) for i < n (in may alias out); returns
 // their sum. The logits are multiplied by 1 / temperature: within 1 ulp of the reference's
 // division (a relative change of |logit / temperature| * 1.1e-16 in a probability), and the
-// max logit still gives exp(0) = 1 exactly.
-template <int W, typename T>
-SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double temperature, double max,
-                                    double* out) {
+// max logit still gives exp(0) = 1 exactly. kTiny: some exponent may fall below -708.
+template <int W, bool kTiny, typename T>
+SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double inv, double zmax, double* out) {
   using vd = typename Simd<W>::d;
-  const double inv = 1.0 / temperature, zmax = max * inv;
   vd acc{};
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const vd e = vexp<W>(load<W>(in + i) * inv - zmax);
+    const vd e = vexp<W, kTiny>(load<W>(in + i) * inv - zmax);
     store<W>(out + i, e);
     acc += e;
   }
-  const vd e = vexp<W>(load_part<W>(in + i, n - i, kNegInf) * inv - zmax);  // pad: 0
+  if (i == n) return hsum<W>(acc);
+  const vd e = vexp<W, kTiny>(load_part<W>(in + i, n - i, in[i]) * inv - zmax);  // pad: in[i]
   store_part<W>(out + i, e, n - i);
-  return hsum<W>(acc + e);
+  double sum = hsum<W>(acc);
+  for (int64_t j = 0; j < n - i; ++j) sum += e[j];
+  return sum;
+}
+
+// softmax_terms for logits in [min, max].
+template <int W, typename T>
+SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double temperature, double min,
+                                    double max, double* out) {
+  const double inv = 1.0 / temperature, zmax = max * inv;
+  return min * inv - zmax >= -708.0 ? softmax_terms<W, false>(in, n, inv, zmax, out)
+                                    : softmax_terms<W, true>(in, n, inv, zmax, out);
 }
 
 // Log-scale bucket of a probability in (0, 1]: 128 buckets per factor of 2
@@ -407,10 +427,10 @@ SPECDEC_INLINE Row process_row(const scalar_t* logits, int64_t V, const Params& 
       p[n] = x;
       n += x >= cut;
     }
-    row = {n, softmax_terms<W>(p, n, prm.temperature, max, p), false};
+    row = {n, softmax_terms<W>(p, n, prm.temperature, kNegInf, max, p), false};
   } else {
-    const double max = row_max<W>(logits, V, b, node);
-    row.sum = softmax_terms<W>(logits, V, prm.temperature, max, p);
+    const auto [min, max] = row_range<W>(logits, V, b, node);
+    row.sum = softmax_terms<W>(logits, V, prm.temperature, min, max, p);
   }
   if (prm.top_p < 1.0) {
     const double tau = top_p_threshold(p, row.n, prm.top_p * row.sum, s);
@@ -470,15 +490,16 @@ template <int W, typename Q>
 SPECDEC_INLINE double subtract_draft_vec(const Q* q, const int32_t* tok, bool dense,
                                          const double* src, double* dst, int64_t n, double rsum) {
   using vd = typename Simd<W>::d;
+  const double inv = 1.0 / rsum;
   vd acc{};
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    vd v = load<W>(src + i) / rsum - draft_part<W>(q, tok, dense, i, W);
+    vd v = load<W>(src + i) * inv - draft_part<W>(q, tok, dense, i, W);
     v = v < 0.0 ? vd{} : v;
     store<W>(dst + i, v);
     acc += v;
   }
-  vd v = load_part<W>(src + i, n - i, 0.0) / rsum - draft_part<W>(q, tok, dense, i, n - i);
+  vd v = load_part<W>(src + i, n - i, 0.0) * inv - draft_part<W>(q, tok, dense, i, n - i);
   v = v < 0.0 ? vd{} : v;
   store_part<W>(dst + i, v, n - i);
   return hsum<W>(acc + v);
