@@ -236,7 +236,7 @@ SPECDEC_INLINE std::pair<double, double> row_range(const scalar_t* row, int64_t 
   vf min = vf{} + static_cast<float>(row[0]), max = min;
   typename Simd<L>::i32 nan{};
   for (int64_t t = 0; t < V; t += L) {
-    vf x = vf{} + static_cast<float>(row[t]);  // a partial vector is padded with row[t]
+    vf x = min;  // a partial vector is padded with values already seen
     if (t + L <= V && std::is_same_v<scalar_t, float>) {
       __builtin_memcpy(&x, row + t, sizeof(x));
     } else {
@@ -521,24 +521,28 @@ SPECDEC_INLINE double subtract_draft(const DraftProbs& dp, int64_t row, const in
 }
 
 // Inverse CDF in support order: the first entry whose cumulative mass exceeds u * total.
-// The mass advances by vector sums of blocks of kScanBlock entries (the total is their sum
-// in the same order) and only the block where it crosses the target is scanned one by one.
-constexpr int64_t kScanBlock = 64;
+// The mass advances by the vector sums of blocks of kScanBlock entries (the total is their
+// sum in the same order) and only the block where it crosses the target is scanned one by
+// one. block_sums holds >= n / kScanBlock + 1 doubles.
+constexpr int64_t kScanBlock = 256;
 
 template <int W>
-SPECDEC_INLINE int64_t sample_index(const double* r, int64_t n, double u) {
+SPECDEC_INLINE int64_t sample_index(const double* r, int64_t n, double u, double* block_sums) {
+  const int64_t blocks = (n + kScanBlock - 1) / kScanBlock;
   double total = 0.0;
-  for (int64_t i = 0; i < n; i += kScanBlock) total += sum_of<W>(r + i, std::min(kScanBlock, n - i));
+  for (int64_t j = 0; j < blocks; ++j) {
+    block_sums[j] = sum_of<W>(r + j * kScanBlock, std::min(kScanBlock, n - j * kScanBlock));
+    total += block_sums[j];
+  }
   const double target = u * total;
   double cum = 0.0;
-  for (int64_t i = 0; i < n; i += kScanBlock) {
-    const int64_t m = std::min(kScanBlock, n - i);
-    const double next = cum + sum_of<W>(r + i, m);
+  for (int64_t j = 0; j < blocks; ++j) {
+    const double next = cum + block_sums[j];
     if (next > target) {
       double c = cum;
-      for (int64_t j = i; j < i + m; ++j) {
-        c += r[j];
-        if (c > target) return j;
+      for (int64_t i = j * kScanBlock; i < std::min(n, (j + 1) * kScanBlock); ++i) {
+        c += r[i];
+        if (c > target) return i;
       }
     }
     cum = next;
@@ -633,7 +637,7 @@ SPECDEC_INLINE void walk_sampled(const scalar_t* logits, const DraftProbs& dp, c
     r = p;
     rsum = row.sum;
   }
-  const int64_t i = sample_index<W>(r, row.n, static_cast<double>(rq.uniforms[rq.T]));
+  const int64_t i = sample_index<W>(r, row.n, static_cast<double>(rq.uniforms[rq.T]), s.tmp.get());
   rq.tokens[k] = static_cast<int32_t>(row.dense ? i : tok[i]);
   *rq.num_accepted = static_cast<int32_t>(k);
 }
