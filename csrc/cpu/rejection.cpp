@@ -10,10 +10,11 @@
 // (temperature 0) only need their argmax. Logits are read as float32; probabilities are
 // computed and accumulated in float64 (a float32 exp would move them by ~1e-6 relative, and
 // the decisions with them), so the accept / reject decisions and the sampled token agree
-// with the float64 reference unless a uniform falls within ~1e-15 of a decision boundary.
+// with the float64 reference unless a uniform falls within ~1e-15 of a decision boundary
+// (scaled by |logit / temperature|: the logits are multiplied by 1 / temperature).
 //
 // The per-token loops (row max, softmax, draft subtraction, sums, the sampling scan) run on
-// GCC vectors of W doubles with a vectorised float64 exp (< 1 ulp), compiled for AVX-512
+// GCC vectors of W doubles with a vectorised float64 exp (<= 1.05 ulp), compiled for AVX-512
 // (W = 8), AVX2 + FMA (W = 4) and the baseline ISA (W = 2); the best build the CPU runs is
 // picked at run time. Rows without a top-k / top-p filter keep every token (a dense support:
 // no token ids). The residual starts as the row's probabilities themselves and is written
@@ -53,7 +54,8 @@ constexpr int64_t kBuckets = 32 << 7;
 constexpr uint64_t kOneBits = 0x3FF0000000000000ull;  // the bits of 1.0
 
 // Per-task buffers of V entries: the current row's support (token ids, probabilities) and its
-// residual. The residual buffer and tmp are scratch while a row is being processed.
+// residual. The residual buffer and tmp are scratch while a row is being processed; tmp
+// holds the block sums of the final sampling scan.
 struct Scratch {
   explicit Scratch(int64_t V)
       : tok(new int32_t[V]), p(new double[V]), r(new double[V]), tmp(new double[V]),
