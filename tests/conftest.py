@@ -46,3 +46,13 @@ def _fresh_seed(request):
     seed = abs(hash(request.node.nodeid)) % (2**31)
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Model-level tests (tiny matmuls, the 135M model) on a 2-core box: intra-op threads mostly
+    add synchronisation. Opt in with `pytestmark = pytest.mark.usefixtures("single_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -13,15 +13,7 @@ from specdec.cli import main
 FAST = ["--max-new-tokens", "4", "--tree", "chain:2"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """The 135M model on a 2-core CI box: intra-op threads mostly add synchronisation."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def generate(*argv):

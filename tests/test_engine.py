@@ -18,13 +18,7 @@ from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
 from specdec.model import Transformer
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny matmuls: intra-op threads only add synchronisation (10x slower on a busy box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
