@@ -11,6 +11,7 @@ from specdec.eagle import EagleHead
 from specdec.loader import load_checkpoint_dir
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 64
 
 
@@ -43,15 +44,10 @@ def models(tmp_path_factory):
 
 def test_quick_bench_json_fields_and_plots(models, tmp_path):
     ours, hf = models
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        head = EagleHead.random(ours, version=2, seed=0)
-        result = run_bench(ours, CharTokenizer(), head, ["Why is the sky blue?"], max_new_tokens=6,
-                           temperatures=(0.0, 1.0), chain_ks=(2,), tree="dynamic:2,2,4", batch_sizes=(1, 2),
-                           hf_model=hf, log=lambda m: None)
-    finally:
-        torch.set_num_threads(n)
+    head = EagleHead.random(ours, version=2, seed=0)
+    result = run_bench(ours, CharTokenizer(), head, ["Why is the sky blue?"], max_new_tokens=6,
+                       temperatures=(0.0, 1.0), chain_ks=(2,), tree="dynamic:2,2,4", batch_sizes=(1, 2),
+                       hf_model=hf, log=lambda m: None)
     json.dumps(result)  # JSON-ready
     greedy, sampled = result["batch1"]["0.0"], result["batch1"]["1.0"]
     assert list(greedy) == ["hf_plain", "hf_prompt_lookup", "plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)"]

@@ -11,19 +11,14 @@ from specdec.config import ModelArgs
 from specdec.eagle import EagleHead, load_head
 from specdec.errors import InvalidRequestError
 from specdec.model import Transformer
-from specdec.train import (generate_shards, head_train_forward, load_shards, make_batch, train_head)
+from specdec.train import (generate_batch, generate_shards, head_train_forward, load_shards, make_batch,
+                           train_head)
 
 EOS = 0
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny matmuls: intra-op threads only add synchronisation on a busy box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +160,21 @@ def test_training_time_test_and_bf16_output(target, data_dir, tmp_path):
     weights = load_file(os.path.join(out, "model.safetensors"))
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
     assert load_head(out, target).fc.weight.dtype == torch.float32  # loaded in the target's dtype
+
+
+def test_shipped_head_drafts_for_the_default_model():
+    """The packaged head loads for the default model, stays small, and predicts the
+    model's own greedy continuation far better than chance (a random head scores ~0)."""
+    from specdec.heads import shipped_head_path
+    from specdec.loader import load_model
+
+    path = shipped_head_path()
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 25 * 2**20
+    model, tok = load_model()
+    head = load_head(path, model)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
+    (tokens, hidden), = generate_batch(model, [ids], 24, tok.eos_token_ids)
+    tok_in, feat_in, _, labels, mask = make_batch([(tokens, hidden, len(ids))])
+    with torch.no_grad():
+        pred = head.logits(head_train_forward(head, tok_in, feat_in)[0]).argmax(-1)
+    assert (pred[mask] == labels[mask]).float().mean() > 0.2
