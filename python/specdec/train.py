@@ -259,7 +259,7 @@ def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
     return FEATURE_WEIGHT * fl + TOKEN_WEIGHT * tl, fl, tl, accs
 
 
-def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size: int = 8, lr: float = 5e-4,
+def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size: int = 8, lr: float = 1e-3,
                noise: float = 0.2, full_vocab_ce: bool = False, checkpoint_every: int = 100,
                save_dtype=torch.bfloat16, seed: int = 0, progress: bool = True, max_steps: int | None = None,
                val_seqs: list | None = None, ttt_steps: int = 1):
@@ -306,9 +306,7 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         rec = {"step": step, "loss": loss.item(), "feature_loss": fl.item(), "token_loss": tl.item(),
                "acc": accs[0], "acc_by_depth": accs}
         log.append(rec)
-        running = dict(rec) if running is None else {
-            k: [0.9 * a + 0.1 * b for a, b in zip(running[k], v)] if k == "acc_by_depth" else 0.9 * running[k] + 0.1 * v
-            for k, v in rec.items()}
+        running = _smooth(running, rec)
         if bar:
             bar.set_postfix(loss=f"{running['loss']:.3f}", epoch=epoch,
                             top1="/".join(f"{a:.2f}" for a in running["acc_by_depth"]))
@@ -326,12 +324,22 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         bar.close()
     if step == total:
         head.to(save_dtype).save(output)
+        summary = {"steps": total, "epochs": epochs, "batch_size": batch_size, "lr": lr, "noise": noise,
+                   "ttt_steps": ttt_steps, "sequences": len(seqs), "vocab_for_ce": len(vocab),
+                   "seconds_this_call": time.perf_counter() - t0, "final": running,
+                   "held_out": [r for r in log if "val" in r]}
         with open(os.path.join(output, "training.json"), "w") as f:
-            json.dump({"steps": total, "epochs": epochs, "batch_size": batch_size, "lr": lr, "noise": noise,
-                       "ttt_steps": ttt_steps, "sequences": len(seqs), "vocab_for_ce": len(vocab), "seconds_this_call":
-                       time.perf_counter() - t0, "final": running,
-                       "held_out": [r for r in log if "val" in r]}, f, indent=2)
+            json.dump(summary, f, indent=2)
     return log
+
+
+def _smooth(running: dict | None, rec: dict) -> dict:
+    """Exponential moving average of a step record (lists element-wise), for the progress bar."""
+    if running is None:
+        return dict(rec)
+    mix = lambda a, b: 0.9 * a + 0.1 * b  # noqa: E731
+    return {k: [mix(a, b) for a, b in zip(running[k], v)] if isinstance(v, list) else mix(running[k], v)
+            for k, v in rec.items()}
 
 
 @torch.no_grad()
@@ -384,7 +392,7 @@ def add_arguments(p):
                    help="target dtype while generating (bfloat16 is ~2x faster on CPUs with AVX512-BF16)")
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ttt-steps", type=int, default=1,
                    help="passes per batch; > 1 trains on the head's own predicted features (EAGLE-3 training-time test)")
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width, relative to the feature RMS")
@@ -426,10 +434,10 @@ def run(args) -> int:
         if args.val_shards >= len(shards):
             raise InvalidRequestError(f"{data_dir} has {len(shards)} shards: too few to hold {args.val_shards} out")
         cut = len(shards) - args.val_shards
-        train_head(model, load_shards(data_dir, shards[:cut]), args.output, val_seqs=load_shards(data_dir, shards[cut:]), epochs=args.epochs, batch_size=args.batch_size,
-                   lr=args.lr, noise=args.noise, full_vocab_ce=args.full_vocab_ce,
-                   checkpoint_every=args.checkpoint_every, ttt_steps=args.ttt_steps, save_dtype=getattr(torch, args.dtype),
-                   seed=args.seed, progress=progress)
+        train_head(model, load_shards(data_dir, shards[:cut]), args.output, epochs=args.epochs,
+                   batch_size=args.batch_size, lr=args.lr, noise=args.noise, full_vocab_ce=args.full_vocab_ce,
+                   checkpoint_every=args.checkpoint_every, save_dtype=getattr(torch, args.dtype), seed=args.seed,
+                   progress=progress, val_seqs=load_shards(data_dir, shards[cut:]), ttt_steps=args.ttt_steps)
     return 0
 
 
