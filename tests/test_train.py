@@ -178,3 +178,16 @@ def test_shipped_head_drafts_for_the_default_model():
     with torch.no_grad():
         pred = head.logits(head_train_forward(head, tok_in, feat_in)[0]).argmax(-1)
     assert (pred[mask] == labels[mask]).float().mean() > 0.2
+
+
+def test_prompt_datasets():
+    """MT-bench first turns (evaluation) and ShareGPT first turns (training) never overlap;
+    the ShareGPT list is prefix-stable in n (data runs can be extended)."""
+    from specdec.data import mtbench_prompts, sharegpt_prompts
+
+    mt = mtbench_prompts()
+    assert len(mt) == 80 and all(isinstance(p, str) and p for p in mt)
+    assert mtbench_prompts(3) == mt[:3]
+    share = sharegpt_prompts(50, seed=0)
+    assert len(set(share)) == 50 and not set(share) & set(mt)
+    assert sharegpt_prompts(20, seed=0) == share[:20] and sharegpt_prompts(20, seed=1) != share[:20]
