@@ -20,10 +20,19 @@ def generate(*argv):
     main(["generate", *argv])
 
 
-def test_generate_default_model_with_random_head(capsys):
+def test_generate_default_model_with_shipped_head(capsys):
     generate("--prompt", "What is 2 + 2?", *FAST)
     out, err = capsys.readouterr()
     assert "mean acceptance length" in out and "tokens/s" in out and "eagle-2 chain:2" in out
+    assert "warning" not in err  # the default model's head ships with the package
+
+
+def test_model_without_shipped_head_falls_back_to_random_head(capsys):
+    from specdec.loader import default_model_path, gguf_checkpoint_dir
+
+    generate("--prompt", "What is 2 + 2?", "--model", gguf_checkpoint_dir(default_model_path()), *FAST)
+    out, err = capsys.readouterr()
+    assert "mean acceptance length" in out
     assert "randomly initialised head" in err and len(err.strip().splitlines()) == 1
 
 

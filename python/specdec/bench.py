@@ -239,13 +239,6 @@ def add_arguments(p):
     p.add_argument("--no-plots", action="store_true")
 
 
-def register(subparsers):
-    p = subparsers.add_parser("bench", help=HELP, description=HELP)
-    add_arguments(p)
-    p.set_defaults(run=run)
-    return p
-
-
 def _ints(text):
     return tuple(int(x) for x in text.split(",") if x.strip())
 

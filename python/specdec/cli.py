@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from . import bench, train
 from .drafting import TreeSpec
 from .errors import InvalidRequestError, SpecdecError
 
@@ -106,11 +107,13 @@ def encode(tokenizer, text: str, chat_template: bool) -> list:
 
 def load_eagle_head(args, model):
     from .eagle import EagleHead, load_head
+    from .heads import shipped_head_path
 
-    if args.head:
-        return load_head(args.head, model)
-    # No head is shipped with the default model yet: a seeded random head keeps the
-    # speculative path runnable end to end (acceptance length ~1).
+    path = args.head or shipped_head_path(args.model)
+    if path:
+        return load_head(path, model)
+    # Models without a shipped head: a seeded random head keeps the speculative path
+    # runnable end to end (acceptance length ~1).
     print("specdec: warning: no EAGLE head given and none shipped for this model; using a randomly "
           "initialised head (acceptance will be low)", file=sys.stderr)
     return EagleHead.random(model, seed=RANDOM_HEAD_SEED)
@@ -127,6 +130,8 @@ def progress_bar(total: int):
 # ---------------------------------------------------------------------- entry point
 SUBCOMMANDS = {
     "generate": (add_generate_arguments, run_generate, "generate text, speculatively (EAGLE) or plainly"),
+    "train-head": (train.add_arguments, train.run, train.HELP),
+    "bench": (bench.add_arguments, bench.run, bench.HELP),
 }
 
 

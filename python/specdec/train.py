@@ -407,13 +407,6 @@ def add_arguments(p):
     p.add_argument("--no-progress", action="store_true")
 
 
-def register(subparsers):
-    p = subparsers.add_parser("train-head", help=HELP, description=HELP)
-    add_arguments(p)
-    p.set_defaults(run=run)
-    return p
-
-
 def run(args) -> int:
     from .data import sharegpt_prompts
     from .loader import load_model
