@@ -25,14 +25,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
-#include <string>
 #include <type_traits>
 
+#include "isa.h"
 #include "ops.h"
 
 // Every vector helper is always_inline, so the vector ABI change warned about never applies.
@@ -666,25 +665,12 @@ void walk_baseline(const scalar_t* logits, const DraftProbs& dp, const Request& 
 template <typename scalar_t>
 using WalkFn = void (*)(const scalar_t*, const DraftProbs&, const Request&, Scratch&);
 
-// The widest build the CPU runs; SPECDEC_CPU_ISA=avx512|avx2|baseline caps it (as for
-// tree_verify; avx512bf16 means avx512 here), so that the tests exercise every build.
+// The widest build cpu_isa() allows (avx512bf16 means avx512 here).
 template <typename scalar_t>
 WalkFn<scalar_t> pick_walk() {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                             __builtin_cpu_supports("avx512vl") &&
-                             __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512dq");
-  const char* env = std::getenv("SPECDEC_CPU_ISA");
-  const std::string cap = env ? env : "";
-  TORCH_CHECK(cap.empty() || cap == "avx512bf16" || cap == "avx512" || cap == "avx2" ||
-                  cap == "baseline",
-              "SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2 or baseline, got '", cap, "'");
-  if (avx512 && (cap.empty() || cap == "avx512bf16" || cap == "avx512")) {
-    return &walk_avx512<scalar_t>;
-  }
-  if (avx2 && cap != "baseline") return &walk_avx2<scalar_t>;
+  const CpuIsa isa = cpu_isa();
+  if (isa >= CpuIsa::kAvx512) return &walk_avx512<scalar_t>;
+  if (isa >= CpuIsa::kAvx2) return &walk_avx2<scalar_t>;
   return &walk_baseline<scalar_t>;
 }
 

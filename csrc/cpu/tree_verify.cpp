@@ -28,15 +28,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <new>
-#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
 #include "ops.h"
 
 // Let a * b + c become one FMA instruction in the AVX2 build (ISO C++ mode disables
@@ -484,29 +483,15 @@ void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64
 template <typename scalar_t>
 using AttendFn = void (*)(const Problem<scalar_t>&, Workspace&, int64_t, int64_t, int64_t);
 
-// The widest build the CPU runs for scalar_t; SPECDEC_CPU_ISA=avx512|avx2|baseline caps
-// it (avx512 leaves out the bf16 dot products), so that the tests exercise every build on
-// one machine.
+// The widest build cpu_isa() allows for scalar_t (avx512 leaves out the bf16 dot products).
 template <typename scalar_t>
 AttendFn<scalar_t> pick_attend() {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c");
-  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                             __builtin_cpu_supports("avx512vl") &&
-                             __builtin_cpu_supports("avx512bw");
-  static const bool avx512bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  const char* env = std::getenv("SPECDEC_CPU_ISA");
-  const std::string cap = env ? env : "";
-  TORCH_CHECK(cap.empty() || cap == "avx512bf16" || cap == "avx512" || cap == "avx2" ||
-                  cap == "baseline",
-              "SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2 or baseline, got '", cap, "'");
+  const CpuIsa isa = cpu_isa();
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (avx512bf16 && (cap.empty() || cap == "avx512bf16")) return &attend_avx512bf16;
+    if (isa == CpuIsa::kAvx512Bf16) return &attend_avx512bf16;
   }
-  if (avx512 && (cap.empty() || cap == "avx512bf16" || cap == "avx512")) {
-    return &attend_avx512<scalar_t>;
-  }
-  if (avx2 && cap != "baseline") return &attend_avx2<scalar_t>;
+  if (isa >= CpuIsa::kAvx512) return &attend_avx512<scalar_t>;
+  if (isa >= CpuIsa::kAvx2) return &attend_avx2<scalar_t>;
   return &attend_baseline<scalar_t>;
 }
 
