@@ -289,13 +289,7 @@ def _load_hf(model_path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def main(argv=None):
-    import argparse
+if __name__ == "__main__":  # python -m specdec.bench = specdec bench (same error handling)
+    from .cli import main
 
-    p = argparse.ArgumentParser(prog="specdec bench", description=HELP)
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()
+    main(["bench", *sys.argv[1:]])

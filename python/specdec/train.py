@@ -434,13 +434,7 @@ def run(args) -> int:
     return 0
 
 
-def main(argv=None):
-    import argparse
+if __name__ == "__main__":  # python -m specdec.train = specdec train-head (same error handling)
+    from .cli import main
 
-    p = argparse.ArgumentParser(prog="specdec train-head", description=HELP)
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()
+    main(["train-head", *sys.argv[1:]])
