@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 import specdec_kernels.ops as ops
 from specdec import drafting
 from specdec.config import ModelArgs
-from specdec.drafting import BatchSampling, Draft, DraftState, TreeSpec
+from specdec.drafting import BatchSampling, Draft, TreeSpec
 from specdec.eagle import EagleHead
 from specdec.errors import InvalidTreeSpecError
 from specdec.model import Transformer
@@ -36,7 +36,9 @@ def test_bad_tree_spec(text):
 
 class BigramHead:
     """A fake head whose next-token log-probs depend only on the node's token (table[token]);
-    records the head-tree calls to check their masks and positions."""
+    records the head-tree calls to check their masks and positions. Its hidden is
+    [one-hot token; extra logits] (2V): a tree node's is [one_hot(token); 0], the committed
+    state's [0; root logits] (see root_hidden)."""
 
     def __init__(self, table):
         self.table = table  # [V, V] logits
@@ -44,10 +46,22 @@ class BigramHead:
 
     def __call__(self, tokens, features, cache, slots, cache_lens, start, num_nodes, tree_mask, positions):
         self.calls.append((tokens.clone(), cache_lens.clone(), start, tree_mask.clone(), positions.clone()))
-        return torch.nn.functional.one_hot(tokens, V).float()  # hidden: the token itself
+        one_hot = torch.nn.functional.one_hot(tokens, V).float()
+        return torch.cat((one_hot, torch.zeros_like(one_hot)), -1)
 
-    def logits(self, hidden):
-        return hidden @ self.table
+    def draft_logits(self, hidden):
+        return hidden[..., :V] @ self.table + hidden[..., V:]
+
+    def draft_to_target(self, ids):
+        return ids
+
+    def scatter_to_target(self, values, fill):
+        return values
+
+
+def root_hidden(root_logits):
+    """The committed state of a BigramHead whose next-token logits are root_logits [B, V]."""
+    return torch.cat((torch.zeros_like(root_logits), root_logits), -1)
 
 
 def brute_force_eagle2(root_logits, table, depth, topk, total):
@@ -82,15 +96,15 @@ def head_cache(B, lens):
 def test_dynamic_tree_matches_brute_force(depth, topk, total):
     B = 3
     table = torch.randn(V, V) * 2
-    state = DraftState(torch.zeros(B, V), torch.randn(B, V) * 2)
+    root_logits = torch.randn(B, V) * 2
     head = BigramHead(table)
     roots = torch.tensor([1, 2, 3])
     spec = TreeSpec("dynamic", depth, topk, total)
-    d = drafting.draft_dynamic(spec, head, state, head_cache(B, [5, 9, 17]), torch.arange(B), roots)
+    d = drafting.draft_dynamic(spec, head, root_hidden(root_logits), head_cache(B, [5, 9, 17]), torch.arange(B), roots)
     assert d.tokens.shape == d.parents.shape == (B, total) and d.draft_probs is None
     for b in range(B):
         n = int(d.num_nodes[b])
-        want = brute_force_eagle2(state.logits[b], table, depth, topk, total)
+        want = brute_force_eagle2(root_logits[b], table, depth, topk, total)
         assert n == len(want) + 1 and int(d.tokens[b, 0]) == int(roots[b])
         assert int(d.parents[b, 0]) == -1 and all(0 <= int(d.parents[b, i]) < i for i in range(1, n))
         assert (d.parents[b, n:] == -1).all()
@@ -169,13 +183,13 @@ def sampling(temps, top_k=0, top_p=1.0, seed=0):
 
 def test_greedy_chain_is_iterated_argmax():
     table = torch.randn(V, V)
-    state = DraftState(torch.zeros(2, V), torch.randn(2, V))
-    d = drafting.draft_chain(TreeSpec("chain", 4), BigramHead(table), state, head_cache(2, [3, 4]),
+    root_logits = torch.randn(2, V)
+    d = drafting.draft_chain(TreeSpec("chain", 4), BigramHead(table), root_hidden(root_logits), head_cache(2, [3, 4]),
                              torch.arange(2), torch.tensor([5, 6]), sampling([0.0, 0.0]))
     assert d.draft_probs is None and d.num_nodes.tolist() == [5, 5]
     assert d.parents[0].tolist() == [-1, 0, 1, 2, 3]
     for b in range(2):
-        tok = int(state.logits[b].argmax())
+        tok = int(root_logits[b].argmax())
         for i in range(1, 5):
             assert int(d.tokens[b, i]) == tok
             tok = int(table[tok].argmax())
@@ -186,15 +200,15 @@ def test_sampled_chain_draws_from_draft_probs():
     distribution at its parent); the greedy row of the same batch gets one-hot rows."""
     N = 3000  # sampled rows, all with the same head state, plus one greedy row
     table = torch.randn(V, V)
-    state = DraftState(torch.zeros(N + 1, V), torch.randn(V).expand(N + 1, V))
-    d = drafting.draft_chain(TreeSpec("chain", 2), BigramHead(table), state, head_cache(N + 1, [3] * (N + 1)),
+    root_logits = torch.randn(V).expand(N + 1, V)
+    d = drafting.draft_chain(TreeSpec("chain", 2), BigramHead(table), root_hidden(root_logits), head_cache(N + 1, [3] * (N + 1)),
                              torch.arange(N + 1), torch.full((N + 1,), 5), sampling([0.8] * N + [0.0], top_k=6))
-    q1 = process_logits(state.logits[0], 0.8, 6, 1.0)
+    q1 = process_logits(root_logits[0], 0.8, 6, 1.0)
     torch.testing.assert_close(d.draft_probs[:N, 0], q1.expand(N, V))
     for b in range(0, N, 97):
         torch.testing.assert_close(d.draft_probs[b, 1], process_logits(table[int(d.tokens[b, 1])], 0.8, 6, 1.0))
     assert (d.draft_probs[:N, 1].gather(1, d.tokens[:N, 2:3]) > 0).all()
-    one_hot = torch.nn.functional.one_hot(state.logits[N].argmax(), V).float()
+    one_hot = torch.nn.functional.one_hot(root_logits[N].argmax(), V).float()
     assert torch.equal(d.draft_probs[N, 0], one_hot) and int(d.tokens[N, 1]) == int(one_hot.argmax())
     counts = torch.bincount(d.tokens[:N, 1], minlength=V).float()
     support = q1 > 0

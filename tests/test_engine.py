@@ -74,14 +74,16 @@ def run(model, head, tree, batch_size, params=None, prompts=PROMPTS, **kw):
     return [r.token_ids for r in results], stats
 
 
-@pytest.mark.parametrize("head_kind", ["oracle-eagle2", "random-eagle3"])
+@pytest.mark.parametrize("head_kind", ["oracle-eagle2", "oracle-eagle2-draft-vocab", "random-eagle3"])
 @pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,3,10"])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_greedy_speculative_equals_plain(model, contextual_model, head_kind, tree, batch_size):
     """batch_size 3 < 4 prompts: the last request takes a slot freed mid-run. The random head
     still gets drafts accepted now and then: 32 tokens, several candidates per node."""
-    if head_kind == "oracle-eagle2":
+    if head_kind.startswith("oracle-eagle2"):
         head = oracle_head(model)
+        if head_kind.endswith("draft-vocab"):  # drafts only ever from 24 of the 32 ids
+            head.set_draft_vocab(torch.randperm(32, generator=torch.Generator().manual_seed(0))[:24])
     else:
         model = contextual_model
         head = EagleHead.random(model, version=3, seed=1)
@@ -190,9 +192,9 @@ N_SEEDS = 3000
 N_TOKENS = 3
 
 
-def first_tokens(model, head, tree, params):
+def first_tokens(model, head, tree, params, **engine_kw):
     """[N_SEEDS, N_TOKENS] generated tokens, one seeded request per row."""
-    eng = Engine(model, head=head, tree=tree, batch_size=250, max_seq_len=32)
+    eng = Engine(model, head=head, tree=tree, batch_size=250, max_seq_len=32, **engine_kw)
     reqs = [Request([1, 2, 3], SamplingParams(**params, seed=s, max_new_tokens=N_TOKENS)) for s in range(N_SEEDS)]
     results, _ = eng.generate(reqs)
     return torch.tensor([r.token_ids for r in results])
@@ -235,6 +237,13 @@ def test_sampled_speculative_follows_target(small_vocab_model, plain_samples, tr
     head = oracle_head(small_vocab_model)
     spec = first_tokens(small_vocab_model, head, tree, SAMPLING[sampling])
     assert same_distribution_pvalue(spec, plain_samples[sampling]) > 1e-3
+
+
+def test_sampled_chain_with_draft_vocabulary_follows_target(small_vocab_model, plain_samples):
+    """Sampled chain drafts from a reduced vocabulary: draft_probs is zero outside it."""
+    head = oracle_head(small_vocab_model).set_draft_vocab(torch.tensor([0, 2, 3, 5, 7, 8, 9, 11, 12, 14]))
+    spec = first_tokens(small_vocab_model, head, "chain:3", SAMPLING["t1"])
+    assert same_distribution_pvalue(spec, plain_samples["t1"]) > 1e-3
 
 
 def always_accept(target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k,

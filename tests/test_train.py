@@ -162,6 +162,24 @@ def test_training_time_test_and_bf16_output(target, data_dir, tmp_path):
     assert load_head(out, target).fc.weight.dtype == torch.float32  # loaded in the target's dtype
 
 
+def test_draft_vocabulary_is_the_most_frequent_tokens_and_drafts_only_them(target, data_dir, tmp_path):
+    out = str(tmp_path / "reduced")
+    seqs = load_shards(data_dir)
+    _train(target, data_dir, out, epochs=1, draft_vocab=6)
+    counts = torch.bincount(torch.cat([t[p:].long() for t, _, p in seqs]), minlength=48)
+    want = torch.sort(torch.argsort(-counts, stable=True)[:6]).values
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["draft_vocab_size"] == 6
+    head = load_head(out, target)
+    ids = head.draft_to_target(torch.arange(6))
+    assert torch.equal(ids, want)
+    torch.testing.assert_close(head.draft_lm_weight, target.output.weight[want])
+    hidden = torch.randn(5, 32)
+    full = head.logits(hidden)  # over target ids: -inf outside the draft vocabulary
+    assert torch.isinf(full[:, [i for i in range(48) if i not in want.tolist()]]).all()
+    torch.testing.assert_close(full[:, want], target.lm_head(hidden)[:, want])
+
+
 def test_shipped_head_drafts_for_the_default_model():
     """The packaged head loads for the default model, stays small, and predicts the
     model's own greedy continuation far better than chance (a random head scores ~0)."""

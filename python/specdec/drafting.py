@@ -28,11 +28,14 @@ from .errors import InvalidTreeSpecError
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """`chain:K` (K drafts in a line) or `dynamic:DEPTH,TOPK,TOTAL` (EAGLE-2).
+    """`chain:K` (K drafts in a line), `dynamic:DEPTH,TOPK,TOTAL` (EAGLE-2) or
+    `adaptive[:DEPTH,TOPK,TOTAL]`.
 
     dynamic: DEPTH draft levels below the root; at each level the TOPK best frontier
     nodes (by cumulative log-prob) are expanded into TOPK children each; finally the
     best TOTAL - 1 candidates are kept, so the tree has TOTAL nodes with the root.
+    adaptive: the dynamic tree with DEPTH and TOTAL as upper bounds, each step's depth and
+    size (or no speculation at all) chosen by specdec.adaptive (default adaptive:6,8,32).
     """
 
     kind: str
@@ -41,30 +44,33 @@ class TreeSpec:
     total: int = 0
 
     DEFAULT = "dynamic:5,8,32"
+    ADAPTIVE_DEFAULT = (6, 8, 32)
 
     @classmethod
     def parse(cls, text: str) -> "TreeSpec":
         m = re.fullmatch(r"chain:(\d+)", text.strip())
         if m:
             spec = cls("chain", int(m[1]))
+        elif text.strip() == "adaptive":
+            spec = cls("adaptive", *cls.ADAPTIVE_DEFAULT)
         else:
-            m = re.fullmatch(r"dynamic:(\d+),(\d+),(\d+)", text.strip())
+            m = re.fullmatch(r"(dynamic|adaptive):(\d+),(\d+),(\d+)", text.strip())
             if not m:
-                raise InvalidTreeSpecError(
-                    f"invalid tree spec {text!r}: expected chain:K or dynamic:DEPTH,TOPK,TOTAL")
-            spec = cls("dynamic", int(m[1]), int(m[2]), int(m[3]))
+                raise InvalidTreeSpecError(f"invalid tree spec {text!r}: expected chain:K, "
+                                           "dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL]")
+            spec = cls(m[1], int(m[2]), int(m[3]), int(m[4]))
         spec.validate()
         return spec
 
     def validate(self):
         if self.depth < 1:
             raise InvalidTreeSpecError(f"tree depth must be >= 1, got {self}")
-        if self.kind == "dynamic" and (self.topk < 1 or self.total < 2):
-            raise InvalidTreeSpecError(f"dynamic trees need TOPK >= 1 and TOTAL >= 2, got {self}")
+        if self.kind != "chain" and (self.topk < 1 or self.total < 2):
+            raise InvalidTreeSpecError(f"{self.kind} trees need TOPK >= 1 and TOTAL >= 2, got {self}")
 
     @property
     def num_nodes(self) -> int:
-        """T: the padded tree size, root included."""
+        """T: the padded tree size, root included (an upper bound for adaptive)."""
         return self.depth + 1 if self.kind == "chain" else self.total
 
     @property
@@ -75,7 +81,7 @@ class TreeSpec:
     def __str__(self):
         if self.kind == "chain":
             return f"chain:{self.depth}"
-        return f"dynamic:{self.depth},{self.topk},{self.total}"
+        return f"{self.kind}:{self.depth},{self.topk},{self.total}"
 
 
 @dataclass
@@ -87,6 +93,7 @@ class Draft:
     parents: torch.Tensor
     num_nodes: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None  # float [B, T]: the head's probability of each node (adaptive)
 
     def truncate(self, room: torch.Tensor) -> "Draft":
         """Keep at most room[b] >= 1 nodes of row b (the first ones: topological order keeps
@@ -95,20 +102,9 @@ class Draft:
         num_nodes = torch.minimum(self.num_nodes, room.to(self.num_nodes.dtype))
         keep = torch.arange(T, device=self.tokens.device)[None, :] < num_nodes[:, None]
         return Draft(self.tokens.masked_fill(~keep, 0), self.parents.masked_fill(~keep, -1),
-                     num_nodes, self.draft_probs)
+                     num_nodes, self.draft_probs, self.confidence)
 
 
-@dataclass
-class DraftState:
-    """What the head predicted at its last committed position, per request.
-
-    hidden: [B, dim] (feature of the next position); logits: [B, V] over target ids."""
-
-    hidden: torch.Tensor
-    logits: torch.Tensor
-
-    def select(self, rows: torch.Tensor) -> "DraftState":
-        return DraftState(self.hidden[rows], self.logits[rows])
 
 
 @dataclass
@@ -136,10 +132,13 @@ def plain_draft(root_tokens: torch.Tensor) -> Draft:
                  torch.ones(B, dtype=torch.int32, device=dev))
 
 
-def draft(spec: TreeSpec, head, state: DraftState, cache, slots, root_tokens, sampling: BatchSampling) -> Draft:
+def draft(spec: TreeSpec, head, hidden, cache, slots, root_tokens, sampling: BatchSampling,
+          policy=None) -> Draft:
+    """hidden: [B, dim], the head's output at its last committed position (the predicted
+    feature of the root's successor); policy: the adaptive.Policy of an adaptive spec."""
     if spec.kind == "chain":
-        return draft_chain(spec, head, state, cache, slots, root_tokens, sampling)
-    return draft_dynamic(spec, head, state, cache, slots, root_tokens)
+        return draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling)
+    return draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy)
 
 
 class HeadTree:
@@ -168,7 +167,7 @@ class HeadTree:
                          tree_mask, positions)
 
 
-def draft_chain(spec, head, state, cache, slots, root_tokens, sampling) -> Draft:
+def draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling) -> Draft:
     """K = spec.depth drafts in a line; head node d is draft node d (same indices)."""
     B, K = root_tokens.shape[0], spec.depth
     dev = root_tokens.device
@@ -176,74 +175,100 @@ def draft_chain(spec, head, state, cache, slots, root_tokens, sampling) -> Draft
     tokens[:, 0] = root_tokens
     parents = torch.arange(-1, K, dtype=torch.int32, device=dev).expand(B, K + 1).contiguous()
     sampled = sampling.any_random
-    draft_probs = torch.zeros(B, K + 1, state.logits.shape[-1], device=dev) if sampled else None
+    draft_probs = None
     tree = HeadTree(head, cache, slots, K)
-    feature, logits = state.hidden, state.logits
+    feature = hidden
     for d in range(1, K + 1):
+        logits = head.draft_logits(feature)  # [B, Vd]
         if sampled:
             q = draft_distribution(logits, sampling)
-            tokens[:, d] = sample_rows(q, sampling.generators)
+            tokens[:, d] = head.draft_to_target(sample_rows(q, sampling.generators))
+            q = head.scatter_to_target(q, 0.0)  # [B, V]: zero outside the draft vocabulary
+            if draft_probs is None:
+                draft_probs = q.new_zeros(B, K + 1, q.shape[-1])
             draft_probs[:, d - 1] = q
         else:
-            tokens[:, d] = logits.argmax(-1)
+            tokens[:, d] = head.draft_to_target(logits.argmax(-1))
         if d < K:
             parent = torch.full((B, 1), d - 1, device=dev)
-            hidden = tree.add(tokens[:, d:d + 1], feature[:, None], parent, depth=d)
-            feature = hidden[:, 0]
-            logits = head.logits(feature)
+            feature = tree.add(tokens[:, d:d + 1], feature[:, None], parent, depth=d)[:, 0]
     return Draft(tokens, parents, torch.full((B,), K + 1, dtype=torch.int32, device=dev), draft_probs)
 
 
-def draft_dynamic(spec, head, state, cache, slots, root_tokens) -> Draft:
+def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) -> Draft:
     """EAGLE-2: expand the TOPK best frontier nodes per level, keep the best TOTAL - 1.
 
     Candidates are numbered in creation order (level by level), so a parent's number is
     below its children's; a child's score (cumulative log-prob) is <= its parent's. A
     stable descending sort therefore ranks every parent before its children: the top
-    TOTAL - 1 are closed under ancestors and already in topological order."""
+    TOTAL - 1 are closed under ancestors and already in topological order.
+
+    policy (adaptive.Policy, optional) decides whether to draft each further level and how
+    many candidates to keep, ranked by its predicted acceptance (also <= the parent's); the
+    tree is then only as wide as it keeps (T = N + 1) and carries each node's confidence."""
     B, K, D = root_tokens.shape[0], spec.topk, spec.depth
     dev = root_tokens.device
     tree = HeadTree(head, cache, slots, spec.head_nodes)
 
-    scores, front_tok = torch.log_softmax(state.logits, -1).topk(K, dim=-1)  # [B, K]
-    cand_scores, cand_tokens = [scores], [front_tok]
+    scores, front_tok = torch.log_softmax(head.draft_logits(hidden), -1).topk(K, dim=-1)  # [B, K]
+    front_tok = head.draft_to_target(front_tok)
+    cand_scores, cand_tokens, cand_lp = [scores], [front_tok], [scores]
     cand_parents = [torch.full((B, K), -1, dtype=torch.long, device=dev)]  # -1: the root
     front_cand = torch.arange(K, device=dev).expand(B, K)  # candidate numbers of the frontier
-    front_feat = state.hidden[:, None].expand(B, K, -1)
+    front_feat = hidden[:, None].expand(B, K, -1)
     front_head_parent = torch.zeros(B, K, dtype=torch.long, device=dev)
-    num_cand = K
+    front_value = policy.node_value(None, scores, depth=1) if policy else None
+    cand_values = [front_value]
+    num_cand, levels = K, 1
     for d in range(1, D):
+        if policy is not None and not policy.expand(levels, torch.cat(cand_values, 1), front_value):
+            break
         start = tree.n
         hidden = tree.add(front_tok, front_feat, front_head_parent, depth=d)  # [B, K, dim]
-        child_lp, child_tok = torch.log_softmax(head.logits(hidden), -1).topk(K, dim=-1)  # [B, K, K]
+        child_lp, child_tok = torch.log_softmax(head.draft_logits(hidden), -1).topk(K, dim=-1)  # [B, K, K]
+        child_tok = head.draft_to_target(child_tok)
         child_scores = (scores[:, :, None] + child_lp).flatten(1)  # [B, K*K]
         cand_scores.append(child_scores)
         cand_tokens.append(child_tok.flatten(1))
+        cand_lp.append(child_lp.flatten(1))
         cand_parents.append(front_cand[:, :, None].expand(B, K, K).flatten(1))
         scores, best = child_scores.topk(K, dim=-1)  # next frontier
+        if policy is not None:
+            child_value = policy.node_value(front_value, child_lp, depth=d + 1).flatten(1)
+            cand_values.append(child_value)
+            front_value = child_value.gather(1, best)
         front_cand = num_cand + best
         front_tok = child_tok.flatten(1).gather(1, best)
         front_feat = hidden.gather(1, (best // K)[..., None].expand(-1, -1, hidden.shape[-1]))
         front_head_parent = start + best // K
         num_cand += K * K
+        levels += 1
 
-    all_scores = torch.cat(cand_scores, 1)
     all_tokens = torch.cat(cand_tokens, 1)
     all_parents = torch.cat(cand_parents, 1)
-    N = min(spec.total - 1, num_cand)
-    order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :N]  # [B, N]
+    if policy is None:
+        rank, N, T = torch.cat(cand_scores, 1), min(spec.total - 1, num_cand), spec.num_nodes
+    else:
+        rank = torch.cat(cand_values, 1)
+        N = policy.size(rank, levels)
+        T = N + 1
+    order = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :N]  # [B, N]
     node_of = torch.zeros(B, num_cand, dtype=torch.long, device=dev)  # candidate -> tree node
     node_of.scatter_(1, order, torch.arange(1, N + 1, device=dev).expand(B, N))
     parent_cand = all_parents.gather(1, order)
     tree_parent = torch.where(parent_cand < 0, 0, node_of.gather(1, parent_cand.clamp(min=0)))
 
-    T = spec.num_nodes
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
     parents = torch.full((B, T), -1, dtype=torch.int32, device=dev)
     tokens[:, 0] = root_tokens
     tokens[:, 1:N + 1] = all_tokens.gather(1, order)
     parents[:, 1:N + 1] = tree_parent.to(torch.int32)
-    return Draft(tokens, parents, torch.full((B,), N + 1, dtype=torch.int32, device=dev))
+    confidence = None
+    if policy is not None:  # the head's probability of each node's token given its parent
+        confidence = torch.ones(B, T, device=dev)
+        confidence[:, 1:] = torch.cat(cand_lp, 1).gather(1, order).float().exp()
+    return Draft(tokens, parents, torch.full((B,), N + 1, dtype=torch.int32, device=dev),
+                 confidence=confidence)
 
 
 def draft_distribution(logits, sampling: BatchSampling):

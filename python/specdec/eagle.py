@@ -73,10 +73,15 @@ class EagleHead(nn.Module):
             self.layer.attention_norm = RMSNorm(dim, args.norm_eps)  # official input_layernorm
             self.hidden_norm = RMSNorm(dim, args.norm_eps)
             self.norm = RMSNorm(dim, args.norm_eps)
-            self.draft_vocab_size = draft_vocab_size or args.vocab_size
-            self.lm_head = nn.Linear(dim, self.draft_vocab_size, bias=False)
-            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+            self.lm_head = nn.Linear(dim, draft_vocab_size or args.vocab_size, bias=False)
             self.feature_layers = tuple(feature_layers or eagle3_feature_layers(target.args.n_layers))
+        # Draft vocabulary: draft id i is target id i + d2t[i] (EAGLE-3's convention). An
+        # EAGLE-1/2 head drafts through the rows of the target's lm_head it selects
+        # (draft_lm_weight, a copy kept next to the head so it follows .to()).
+        self.draft_vocab_size = draft_vocab_size or args.vocab_size
+        reduced = version == 3 or self.draft_vocab_size < args.vocab_size
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long) if reduced else None)
+        self.register_buffer("draft_lm_weight", None, persistent=False)
         self.register_buffer("inv_freq", inv_freq(args), persistent=False)
         self.scale = args.head_dim ** -0.5
         check_head_matches(self, target)
@@ -97,11 +102,33 @@ class EagleHead(nn.Module):
             for name, p in head.named_parameters():
                 if "norm" not in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.zeros(p.shape))
-            if version == 3 and head.draft_vocab_size < args.vocab_size:
+            if head.draft_vocab_size < args.vocab_size:
                 ids = torch.randperm(args.vocab_size, generator=gen)[: head.draft_vocab_size].sort().values
                 head.d2t.copy_(ids - torch.arange(head.draft_vocab_size))
+        head.refresh_draft_vocab()
         w = target.tok_embeddings.weight
         return head.to(dtype=w.dtype, device=w.device)
+
+    def set_draft_vocab(self, target_ids: torch.Tensor):
+        """Restricts drafting to target_ids (distinct ids; sorted here) -> self. For an
+        EAGLE-1/2 head (the lm_head is the target's) this needs no retraining."""
+        ids = torch.unique(target_ids.long().cpu())
+        if self.version == 3:
+            raise ValueError("an EAGLE-3 head's draft vocabulary is fixed by its trained lm_head")
+        if ids.numel() and (ids[0] < 0 or ids[-1] >= self.args.vocab_size):
+            raise ValueError(f"draft vocabulary ids must be in [0, {self.args.vocab_size})")
+        self.draft_vocab_size = ids.numel()
+        reduced = self.draft_vocab_size < self.args.vocab_size
+        self.d2t = (ids - torch.arange(ids.numel())).to(self.fc.weight.device) if reduced else None
+        return self.refresh_draft_vocab()
+
+    def refresh_draft_vocab(self):
+        """Re-derives draft_lm_weight from d2t (after d2t was loaded or set) -> self."""
+        if self.version < 3:
+            w = self.target.output.weight.detach()
+            self.draft_lm_weight = None if self.d2t is None else \
+                w[self.draft_to_target(torch.arange(self.draft_vocab_size, device=w.device))].clone()
+        return self
 
     def new_cache(self, num_slots, max_seq_len, block_size=16) -> PagedKVCache:
         w = self.fc.weight
@@ -155,17 +182,34 @@ class EagleHead(nn.Module):
         gate, up = layer.w13(layer.ffn_norm(x)).chunk(2, dim=-1)
         return x + layer.w2(F.silu(gate) * up)
 
+    def draft_logits(self, hidden):
+        """hidden [..., dim] -> float32 logits [..., Vd] over the draft vocabulary (what
+        drafting ranks; draft_to_target maps its ids). Vd = V without a draft vocabulary."""
+        if self.version == 3:
+            return self.lm_head(self.norm(hidden)).float()
+        if self.draft_lm_weight is None:
+            return self.target.lm_head(hidden).float()
+        return F.linear(hidden, self.draft_lm_weight).float()
+
+    def draft_to_target(self, draft_ids):
+        """Draft-vocabulary ids (long, any shape) -> target ids."""
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def scatter_to_target(self, draft_values, fill: float):
+        """[..., Vd] values over draft ids -> [..., V] over target ids, `fill` elsewhere."""
+        if self.d2t is None:
+            return draft_values
+        if not self.d2t.any():
+            return draft_values if self.draft_vocab_size == self.args.vocab_size else \
+                F.pad(draft_values, (0, self.args.vocab_size - self.draft_vocab_size), value=fill)
+        out = draft_values.new_full((*draft_values.shape[:-1], self.args.vocab_size), fill)
+        ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=draft_values.device))
+        return out.index_copy_(-1, ids, draft_values)
+
     def logits(self, hidden):
         """hidden [..., dim] -> float32 logits [..., V] over *target* ids (tokens outside
-        an EAGLE-3 draft vocabulary get -inf, so they are never drafted)."""
-        if self.version < 3:
-            return self.target.lm_head(hidden).float()
-        draft = self.lm_head(self.norm(hidden)).float()
-        if self.draft_vocab_size == self.args.vocab_size and not self.d2t.any():
-            return draft
-        out = draft.new_full((*draft.shape[:-1], self.args.vocab_size), float("-inf"))
-        ids = torch.arange(self.draft_vocab_size, device=hidden.device) + self.d2t
-        return out.index_copy_(-1, ids, draft)
+        the draft vocabulary get -inf, so they are never drafted)."""
+        return self.scatter_to_target(self.draft_logits(hidden), float("-inf"))
 
     def _rope(self, positions):
         freqs = positions[..., None].float() * self.inv_freq
@@ -188,6 +232,8 @@ class EagleHead(nn.Module):
             if getattr(mod, "bias", None) is not None:
                 for name, b in zip(theirs, mod.bias.split(sizes)):
                     sd[f"{prefix}{name}.bias"] = b
+        if self.version < 3 and self.d2t is not None:
+            sd["d2t"] = self.d2t  # our extension: drafting over these target rows only
         if self.version == 3:
             sd.update({"midlayer.input_layernorm.weight": self.layer.attention_norm.weight,
                        "midlayer.hidden_norm.weight": self.hidden_norm.weight,
@@ -213,8 +259,9 @@ class EagleHead(nn.Module):
         }
         if a.rope_scaling:
             cfg["rope_scaling"] = a.rope_scaling
-        if self.version == 3:
+        if self.d2t is not None:
             cfg["draft_vocab_size"] = self.draft_vocab_size
+        if self.version == 3:
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
         return cfg
 
@@ -258,7 +305,9 @@ def load_head(path: str, target) -> EagleHead:
     prefix = "midlayer." if version == 3 else "layers.0."
     args = replace(args, attention_bias=f"{prefix}self_attn.q_proj.bias" in sd)
     feature_layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    draft_vocab = sd["lm_head.weight"].shape[0] if version == 3 and "lm_head.weight" in sd else None
+    # EAGLE-3: the trained lm_head's rows; EAGLE-1/2 (ours): a d2t selecting target rows
+    draft_vocab = sd["lm_head.weight"].shape[0] if version == 3 and "lm_head.weight" in sd else \
+        sd["d2t"].shape[0] if version < 3 and "d2t" in sd else None
     _check_fc(sd, args, version, target)
     head = EagleHead(args, target, version, draft_vocab, fc_bias="fc.bias" in sd,
                      feature_layers=tuple(feature_layers) if feature_layers else None)
@@ -306,6 +355,8 @@ def _load_official(head: EagleHead, sd: dict, prefix: str, path: str):
                          "hidden_norm.weight": sd["midlayer.hidden_norm.weight"],
                          "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"],
                          "d2t": sd.get("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long))})
+        elif head.d2t is not None:
+            ours["d2t"] = sd["d2t"]
     except KeyError as e:
         raise ModelLoadError(f"EAGLE head {path!r}: missing weight {e}") from None
     expected = {k: v.shape for k, v in head.state_dict().items()}
@@ -317,3 +368,7 @@ def _load_official(head: EagleHead, sd: dict, prefix: str, path: str):
             raise HeadMismatchError(f"EAGLE head {path!r}: {k} has shape {list(v.shape)}, "
                                     f"expected {list(expected[k])}")
     head.load_state_dict(ours)
+    d2t = head.draft_to_target(torch.arange(head.draft_vocab_size)) if head.d2t is not None else None
+    if d2t is not None and not (d2t.min() >= 0 and d2t.max() < head.args.vocab_size):
+        raise HeadMismatchError(f"EAGLE head {path!r}: d2t maps draft ids outside the target vocabulary")
+    head.refresh_draft_vocab()

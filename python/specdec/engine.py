@@ -26,7 +26,8 @@ import torch
 import specdec_kernels.ops as ops
 
 from . import drafting
-from .drafting import BatchSampling, DraftState, TreeSpec
+from .adaptive import CostModel, Policy
+from .drafting import BatchSampling, TreeSpec
 from .errors import InvalidRequestError
 from .stats import Stats, timed
 
@@ -97,7 +98,8 @@ class Engine:
     per request (prompt + generated)."""
 
     def __init__(self, model, tokenizer=None, head=None, tree=TreeSpec.DEFAULT, batch_size: int = 1,
-                 max_seq_len: int | None = None, block_size: int = 16, eos_token_ids=None):
+                 max_seq_len: int | None = None, block_size: int = 16, eos_token_ids=None,
+                 cost_model: CostModel | None = None):
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.tree = TreeSpec.parse(tree) if isinstance(tree, str) else tree
         self.batch_size = batch_size
@@ -113,9 +115,13 @@ class Engine:
         if head is not None:
             # plus the head's scratch draft tree past its last committed position
             self.head_cache = head.new_cache(batch_size, self.capacity + max(T, self.tree.head_nodes), block_size)
-            self.draft_state = DraftState(
-                torch.zeros(batch_size, model.args.dim, device=self.device),
-                torch.zeros(batch_size, model.args.vocab_size, device=self.device))
+            # the head's output at each slot's last committed position: what drafting starts from
+            self.draft_hidden = torch.zeros(batch_size, model.args.dim, dtype=head.fc.weight.dtype,
+                                            device=self.device)
+        # adaptive: the machine's costs, measured now, and the running acceptance statistics
+        self.policy = None
+        if head is not None and self.tree.kind == "adaptive":
+            self.policy = Policy(cost_model or CostModel.measure(model, head, self.tree, batch_size), self.tree)
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
@@ -175,17 +181,19 @@ class Engine:
         roots = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
         room = self.capacity - self.cache.cache_lens[slots]
         with timed(self.device, "draft", all_stats):
-            if self.head is None:
+            if self.head is None or (self.policy is not None and not self.policy.speculate()):
                 d = drafting.plain_draft(roots)
             else:
-                d = drafting.draft(self.tree, self.head, self.draft_state.select(slots), self.head_cache,
-                                   slots, roots, self._sampling(seqs))
+                d = drafting.draft(self.tree, self.head, self.draft_hidden[slots], self.head_cache,
+                                   slots, roots, self._sampling(seqs), self.policy)
             d = d.truncate(room)
         with timed(self.device, "verify", all_stats):
             tree_mask, depth = ops.build_tree_mask(d.parents, d.num_nodes)
             out = self.model(d.tokens, self.cache, slots, d.num_nodes, tree_mask, depth, self.feature_layers)
         with timed(self.device, "sample", all_stats):
             accepted_nodes, num_accepted, output_tokens = self._sample(seqs, out.logits, d)
+            if d.confidence is not None:
+                self.policy.observe(d, depth, accepted_nodes, num_accepted)
         with timed(self.device, "compact", all_stats):
             ops.compact_kv(self.cache.k, self.cache.v, self.cache.block_table[slots],
                            self.cache.cache_lens[slots], accepted_nodes, num_accepted)
@@ -236,7 +244,7 @@ class Engine:
 
     def _head_extend(self, slots, tokens, features, counts):
         """Appends counts[b] (token, target feature) pairs to the head's cache of each slot and
-        stores the head's prediction after the last one as the next drafting state.
+        stores the head's output after the last one as the next drafting state.
         tokens: long [B, M]; features: [B, M, F]; counts: int [B] in [1, M]."""
         B, M = tokens.shape
         counts = counts.to(torch.int32)
@@ -247,8 +255,7 @@ class Engine:
                            lens[:, None] + depth)
         self.head_cache.cache_lens[slots] += counts
         last = hidden[torch.arange(B, device=self.device), counts.long() - 1]
-        self.draft_state.hidden[slots] = last.to(self.draft_state.hidden.dtype)
-        self.draft_state.logits[slots] = self.head.logits(last)
+        self.draft_hidden[slots] = last
 
 
 class Run:

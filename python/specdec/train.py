@@ -240,7 +240,8 @@ def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
     """EAGLE-1/2 loss of one batch, averaged over `steps` training-time-test passes ->
     (loss, feature loss, token loss, [top-1 accuracy of each pass = draft depth]).
 
-    vocab: long [Vs] target ids the cross-entropy ranges over (every label among them)."""
+    vocab: sorted long [Vs] target ids the cross-entropy ranges over (labels outside it,
+    which a head drafting over that vocabulary can never propose, are left out)."""
     tok_in, feat_in, feat_out, labels, mask = batch
     if noise:
         rms = feat_in.pow(2).mean(-1, keepdim=True).sqrt()
@@ -251,16 +252,17 @@ def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
     for step, pred in enumerate(head_train_forward(head, tok_in, feat_in, steps)):
         m = mask.clone()
         m[:, :step] = False  # no committed ancestor
-        logits = pred[m] @ w.T
-        index = torch.searchsorted(vocab, labels[m])
+        index = torch.searchsorted(vocab, labels[m]).clamp(max=len(vocab) - 1)
+        known = vocab[index] == labels[m]
+        logits = pred[m][known] @ w.T
         fl = fl + F.smooth_l1_loss(pred[m], feat_out[m], reduction="none").mean(-1).mean() / steps
-        tl = tl + F.cross_entropy(logits, index) / steps
-        accs.append((logits.argmax(-1) == index).float().mean().item())
+        tl = tl + F.cross_entropy(logits, index[known], reduction="sum") / max(1, int(known.sum())) / steps
+        accs.append((logits.argmax(-1) == index[known]).float().sum().item() / max(1, m.sum().item()))
     return FEATURE_WEIGHT * fl + TOKEN_WEIGHT * tl, fl, tl, accs
 
 
 def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size: int = 8, lr: float = 1e-3,
-               noise: float = 0.2, full_vocab_ce: bool = False, checkpoint_every: int = 100,
+               noise: float = 0.2, full_vocab_ce: bool = False, draft_vocab: int = 0, checkpoint_every: int = 100,
                save_dtype=torch.bfloat16, seed: int = 0, progress: bool = True, max_steps: int | None = None,
                val_seqs: list | None = None, ttt_steps: int = 1):
     """Trains a fresh EAGLE-2 head on self-distillation sequences and saves it to `output`
@@ -280,6 +282,8 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
     # product would cost ~7x the head itself per token on CPU).
     vocab = (torch.arange(target.args.vocab_size) if full_vocab_ce
              else torch.unique(torch.cat([t[2:] for t, _, _ in seqs])))
+    if draft_vocab:
+        vocab = frequent_tokens(seqs, draft_vocab)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(seqs) / batch_size)
@@ -323,14 +327,25 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
     if bar:
         bar.close()
     if step == total:
+        if draft_vocab:
+            head.set_draft_vocab(vocab)
         head.to(save_dtype).save(output)
         summary = {"steps": total, "epochs": epochs, "batch_size": batch_size, "lr": lr, "noise": noise,
                    "ttt_steps": ttt_steps, "sequences": len(seqs), "vocab_for_ce": len(vocab),
+                   "draft_vocab": draft_vocab or target.args.vocab_size,
                    "seconds_this_call": time.perf_counter() - t0, "final": running,
                    "held_out": [r for r in log if "val" in r]}
         with open(os.path.join(output, "training.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return log
+
+
+def frequent_tokens(seqs: list, n: int) -> torch.Tensor:
+    """The n most frequent generated token ids of the sequences (ties: lower id), sorted:
+    the draft vocabulary (as EAGLE-3 picks its d2t from the training data)."""
+    counts = torch.bincount(torch.cat([t[p:].long() for t, _, p in seqs]))
+    n = min(n, int((counts > 0).sum()))
+    return torch.sort(torch.argsort(-counts, stable=True)[:n]).values
 
 
 def _smooth(running: dict | None, rec: dict) -> dict:
@@ -398,6 +413,9 @@ def add_arguments(p):
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width, relative to the feature RMS")
     p.add_argument("--full-vocab-ce", action="store_true",
                    help="cross-entropy over the whole vocabulary (default: over the tokens of the data)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft over the N most frequent generated tokens only (stored as d2t; cuts the "
+                        "draft lm_head cost by V / N); 0 = the whole vocabulary (default)")
     p.add_argument("--val-shards", type=int, default=1, help="last shards held out for per-epoch validation")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
@@ -429,6 +447,7 @@ def run(args) -> int:
         cut = len(shards) - args.val_shards
         train_head(model, load_shards(data_dir, shards[:cut]), args.output, epochs=args.epochs,
                    batch_size=args.batch_size, lr=args.lr, noise=args.noise, full_vocab_ce=args.full_vocab_ce,
+                   draft_vocab=args.draft_vocab,
                    checkpoint_every=args.checkpoint_every, save_dtype=getattr(torch, args.dtype), seed=args.seed,
                    progress=progress, val_seqs=load_shards(data_dir, shards[cut:]), ttt_steps=args.ttt_steps)
     return 0
