@@ -1,0 +1,208 @@
+"""Adaptive speculation: size each step's draft tree by what it is expected to earn on the
+machine at hand, and decode plainly when speculation does not pay.
+
+Cost (`CostModel`, measured once when the engine starts): seconds of a target verify forward
+as a function of the tree size T at the engine's batch size, and seconds of drafting as a
+function of the number of draft levels (the head over the frontier, its logits, top-k).
+
+Value (`Policy`, running): as EAGLE-2 observed, a draft node's confidence (the head's
+probability of its token) tracks its chance of being accepted. Per draft depth we keep the
+ratio of accepted nodes to the summed confidence of the nodes the walk tried (both decayed,
+so the ratio follows the workload) and predict
+    P(node accepted) = P(parent accepted) * min(1, ratio[depth] * confidence(node)).
+Low-confidence (high-entropy) drafts thus get small trees, an over-confident head (high
+temperature, an untrained head) gets its ratio pulled down by what is actually accepted.
+
+Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target forward):
+ 1. plain or speculative: when the recent speculative rate (tokens per predicted second)
+    is below plain decoding's 1 / verify(1), the step is plain (no drafting at all); a probe
+    step every `probe` plain steps keeps the statistics fresh, and the probe interval doubles
+    (up to MAX_PROBE) while probes lose;
+ 2. depth: another draft level is drafted only while its best case raises E / time;
+ 3. size: the N most likely nodes maximizing E / (draft time + verify(N + 1)) are verified.
+Every step is an ordinary speculative step (exact for any tree), so the outputs follow the
+target exactly; only the speed depends on these choices.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+
+import specdec_kernels.ops as ops
+
+DECAY = 0.97  # per step: the statistics cover roughly the last 30 steps
+PRIOR = 2.0  # pseudo-count of confidence behind the initial ratio 1 (trust the head at first)
+MIN_PROBE, MAX_PROBE = 4, 64
+
+
+@dataclass
+class CostModel:
+    """verify_tokens / verify_s: seconds of one target forward over a batch of `batch_size`
+    trees of T nodes, at the measured T; draft_s[l - 1]: seconds of drafting l levels."""
+
+    batch_size: int
+    verify_tokens: list
+    verify_s: list
+    draft_s: list
+
+    def verify(self, T: int) -> float:
+        """Linear interpolation (and extrapolation past the last point) in T."""
+        xs, ys = self.verify_tokens, self.verify_s
+        if T <= xs[0]:
+            return ys[0]
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if T <= x1:
+                return y0 + (y1 - y0) * (T - x0) / (x1 - x0)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + slope * (T - xs[-1])
+
+    def draft(self, levels: int) -> float:
+        if levels <= 0:
+            return 0.0
+        if levels <= len(self.draft_s):
+            return self.draft_s[levels - 1]
+        step = self.draft_s[-1] - self.draft_s[-2] if len(self.draft_s) > 1 else self.draft_s[-1]
+        return self.draft_s[-1] + step * (levels - len(self.draft_s))
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3) -> "CostModel":
+        """Times the target over trees of 1, 2, 4, ... spec.total nodes and the drafter over
+        1 .. spec.depth levels, at batch_size requests of `context` cached tokens (scratch
+        caches; the cache contents do not change the time)."""
+        from .drafting import TreeSpec, draft_dynamic
+
+        dev = model.tok_embeddings.weight.device
+        B = batch_size
+        slots = torch.arange(B, device=dev)
+        cache = model.new_cache(B, context + spec.total)
+        cache.cache_lens.fill_(context)
+        sizes = sorted({1, spec.total} | {2 ** i for i in range(1, 12) if 2 ** i < spec.total})
+        verify_s = []
+        for T in sizes:
+            tokens = torch.randint(0, model.args.vocab_size, (B, T), device=dev)
+            parents = torch.arange(-1, T - 1, dtype=torch.int32, device=dev).expand(B, T).contiguous()
+            num_nodes = torch.full((B,), T, dtype=torch.int32, device=dev)
+
+            def verify():
+                mask, depth = ops.build_tree_mask(parents, num_nodes)
+                model(tokens, cache, slots, num_nodes, mask, depth, head.feature_layers)
+            verify_s.append(_median_time(verify, repeats, dev))
+
+        head_cache = head.new_cache(B, context + spec.head_nodes)
+        head_cache.cache_lens.fill_(context)
+        hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
+        roots = torch.zeros(B, dtype=torch.long, device=dev)
+        draft_s = [_median_time(lambda: draft_dynamic(TreeSpec("dynamic", levels, spec.topk, spec.total), head,
+                                                      hidden, head_cache, slots, roots), repeats, dev)
+                   for levels in range(1, spec.depth + 1)]
+        return cls(B, sizes, verify_s, draft_s)
+
+
+def _median_time(fn, repeats: int, device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+class Policy:
+    """The per-engine adaptive state (shared by the requests of a batch: one tree size per
+    step, chosen on the batch-mean value)."""
+
+    def __init__(self, cost: CostModel, spec):
+        self.cost, self.spec = cost, spec
+        self.accepted = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
+        self.confidence = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
+        self.spec_tokens = self.spec_time = 0.0  # decayed sums over speculative steps
+        self.plain_streak, self.probe = 0, MIN_PROBE
+        self.levels = 0  # draft levels of the current step
+
+    # ------------------------------------------------------------------ 1. plain or not
+    def plain_rate(self) -> float:
+        return 1.0 / self.cost.verify(1)
+
+    def spec_rate(self) -> float:
+        return self.spec_tokens / self.spec_time if self.spec_time else float("inf")
+
+    def speculate(self) -> bool:
+        if self.spec_rate() >= self.plain_rate():
+            self.plain_streak, self.probe = 0, MIN_PROBE
+            return True
+        self.plain_streak += 1
+        if self.plain_streak >= self.probe:
+            self.plain_streak, self.probe = 0, min(2 * self.probe, MAX_PROBE)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ 2. and 3. tree shape
+    def node_value(self, parent_value, logprob, depth: int):
+        """P(accepted) of new candidates: parent_value [B, K] or None (children of the root),
+        logprob [B, K, C] / [B, C] (the head's log-probability of each child), depth >= 1."""
+        ratio = float(self.accepted[depth - 1] / self.confidence[depth - 1])
+        local = (logprob.float().exp() * ratio).clamp(max=1.0)
+        return local if parent_value is None else parent_value[..., None] * local
+
+    def best(self, values: torch.Tensor, levels: int, extra_nodes: int = 0, extra_value=None):
+        """-> (rate, N): the best expected tokens per second over the N most likely of the
+        candidates values [B, C] (batch mean), drafting `levels` levels; extra_value [B]
+        (with extra_nodes more nodes) is the optimistic gain of one more level."""
+        sums = values.sort(dim=1, descending=True).values.cumsum(1).mean(0).tolist()
+        gain = float(extra_value.mean()) if extra_value is not None else 0.0
+        draft = self.cost.draft(levels)
+        best_rate, best_n = 1.0 / (draft + self.cost.verify(1)), 0
+        limit = min(len(sums), self.spec.total - 1)
+        for n in range(1, limit + 1):
+            rate = (1.0 + sums[n - 1] + gain) / (draft + self.cost.verify(min(n + extra_nodes, self.spec.total - 1) + 1))
+            if rate > best_rate:
+                best_rate, best_n = rate, n
+        return best_rate, best_n
+
+    def expand(self, levels: int, values: torch.Tensor, frontier_values: torch.Tensor) -> bool:
+        """After `levels` draft levels with candidate values [B, C]: is one more level worth it?
+        Its best case: the frontier's children are accepted as often as the next depth's ratio
+        allows."""
+        if levels >= self.spec.depth:
+            return False
+        now, _ = self.best(values, levels)
+        ratio = min(1.0, float(self.accepted[levels] / self.confidence[levels]))
+        later, _ = self.best(values, levels + 1, frontier_values.shape[1], frontier_values.sum(1) * ratio)
+        return later > now
+
+    def size(self, values: torch.Tensor, levels: int) -> int:
+        self.levels = levels
+        return self.best(values, levels)[1]
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, d, depth, accepted_nodes, num_accepted):
+        """After a speculative step: d the Draft (with .confidence), depth [B, T] of its nodes,
+        accepted_nodes / num_accepted from tree_rejection_sample."""
+        B, T = d.tokens.shape
+        node = torch.arange(T, device=d.tokens.device)
+        on_path = torch.zeros(B, T + 1, dtype=torch.bool, device=d.tokens.device)
+        on_path.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes.long(), T), True)
+        on_path = on_path[:, :T]
+        valid = (node[None] < d.num_nodes[:, None]) & (d.parents >= 0)
+        tried = valid & on_path.gather(1, d.parents.long().clamp(min=0))
+        dep = (depth.long() - 1).clamp(min=0)
+        D = self.spec.depth
+        conf = torch.zeros(D, dtype=torch.float64).index_add_(
+            0, dep[tried].cpu(), d.confidence[tried].double().cpu())
+        acc = torch.zeros(D, dtype=torch.float64).index_add_(
+            0, dep[tried & on_path].cpu(), torch.ones(int((tried & on_path).sum()), dtype=torch.float64))
+        self.confidence = DECAY * self.confidence + conf
+        self.accepted = DECAY * self.accepted + acc
+        # keep the prior's weight as a floor, so a depth that is never tried keeps ratio ~1
+        floor = PRIOR * (1 - DECAY)
+        self.confidence += floor
+        self.accepted += floor
+        tokens = float((num_accepted.double() + 1).mean())
+        self.spec_tokens = DECAY * self.spec_tokens + tokens
+        self.spec_time = DECAY * self.spec_time + self.cost.draft(self.levels) + self.cost.verify(T)

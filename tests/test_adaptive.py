@@ -1,0 +1,94 @@
+"""Adaptive speculation: the cost model, the policy's choices, and exactness in the engine
+(greedy == plain token for token; sampled follows the target's distribution)."""
+import pytest
+import torch
+
+from specdec.adaptive import MAX_PROBE, CostModel, Policy
+from specdec.drafting import TreeSpec
+from specdec.eagle import EagleHead
+from test_engine import SAMPLING, first_tokens, oracle_head, run, same_distribution_pvalue, tiny_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SPEC = TreeSpec.parse("adaptive:4,3,10")
+# verifying a bigger tree costs little: speculation pays whenever drafts are accepted
+CHEAP_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 1.01, 1.02, 1.05], [0.02, 0.04, 0.06, 0.08])
+# every drafted node costs as much as a whole forward: speculation never pays
+DEAR_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 2.0, 4.0, 10.0], [0.5, 1.0, 1.5, 2.0])
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    c = CostModel(1, [1, 2, 4], [1.0, 1.5, 2.5], [0.1, 0.3])
+    assert c.verify(1) == 1.0 and c.verify(3) == pytest.approx(2.0) and c.verify(6) == pytest.approx(3.5)
+    assert c.draft(0) == 0.0 and c.draft(2) == 0.3 and c.draft(4) == pytest.approx(0.7)
+
+
+def test_cost_model_measure_is_monotone_enough():
+    model = tiny_model()
+    cost = CostModel.measure(model, EagleHead.random(model, seed=0), SPEC, batch_size=2, repeats=1)
+    assert cost.verify_tokens == [1, 2, 4, 8, 10] and len(cost.draft_s) == SPEC.depth
+    assert all(t > 0 for t in cost.verify_s + cost.draft_s)
+
+
+def test_policy_sizes_the_tree_by_value_over_cost():
+    cheap, dear = Policy(CHEAP_VERIFY, SPEC), Policy(DEAR_VERIFY, SPEC)
+    confident = torch.tensor([[0.9, 0.05, 0.01]]).log()
+    v = cheap.node_value(None, confident, depth=1)
+    torch.testing.assert_close(v, torch.tensor([[0.9, 0.05, 0.01]]))  # ratio starts at 1
+    assert cheap.size(v, 1) == 3  # +0.01 tokens for +0.01 s of a 1 s step pays
+    assert dear.size(v, 1) == 1  # a likely node is worth doubling the step, two are not
+    unsure = dear.node_value(None, torch.tensor([[0.3, 0.05, 0.01]]).log(), depth=1)
+    assert dear.size(unsure, 1) == 0  # verify the root alone: a plain step
+    assert cheap.expand(1, v, v) and not dear.expand(1, v, v)
+    # children values are bounded by their parent's
+    kids = cheap.node_value(v, torch.full((1, 3, 3), 0.5).log(), depth=2)
+    assert (kids <= v[..., None]).all()
+
+
+def test_policy_learns_acceptance_and_falls_back_with_probes():
+    """A head that is confident but never right: the ratio drops, the steps go plain, and a
+    probe step comes at least every MAX_PROBE steps."""
+    p = Policy(CHEAP_VERIFY, SPEC)
+    tokens = torch.tensor([[5, 6, 7]])
+    d = type("D", (), dict(tokens=tokens, parents=torch.tensor([[-1, 0, 1]], dtype=torch.int32),
+                           num_nodes=torch.tensor([3], dtype=torch.int32),
+                           confidence=torch.tensor([[1.0, 0.9, 0.9]])))()
+    depth = torch.tensor([[0, 1, 2]])
+    rejected = torch.tensor([[0, -1, -1]]), torch.tensor([0])
+    assert p.speculate()  # no evidence yet
+    for _ in range(40):
+        p.size(torch.tensor([[0.9, 0.8]]), 2)
+        p.observe(d, depth, *rejected)
+    assert p.spec_rate() < p.plain_rate()
+    assert float(p.accepted[0] / p.confidence[0]) < 0.2
+    decisions = [p.speculate() for _ in range(4 * MAX_PROBE)]
+    assert sum(decisions) >= 3 and not all(decisions)
+    gaps = [j - i for i, j in zip([k for k, x in enumerate(decisions) if x],
+                                  [k for k, x in enumerate(decisions) if x][1:])]
+    assert max(gaps) <= MAX_PROBE
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("cost", [CHEAP_VERIFY, DEAR_VERIFY, None], ids=["cheap", "dear", "measured"])
+def test_greedy_adaptive_equals_plain(batch_size, cost):
+    model = tiny_model()
+    plain, _ = run(model, None, "chain:1", batch_size)
+    adaptive, stats = run(model, oracle_head(model), "adaptive:4,3,10", batch_size, cost_model=cost)
+    assert adaptive == plain
+    if cost is CHEAP_VERIFY:
+        assert stats.mean_acceptance_length > 1.5
+    if cost is DEAR_VERIFY:
+        assert stats.nodes_verified < 1.2 * stats.target_forwards  # (nearly) always plain
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return tiny_model(vocab_size=16, layer_scale=0.01, seed=3)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_sampled_adaptive_follows_target(small_vocab_model, sampling):
+    plain = first_tokens(small_vocab_model, None, "chain:1", SAMPLING[sampling])
+    spec = first_tokens(small_vocab_model, oracle_head(small_vocab_model), "adaptive:3,3,8", SAMPLING[sampling],
+                        cost_model=CHEAP_VERIFY)
+    assert same_distribution_pvalue(spec, plain) > 1e-3
