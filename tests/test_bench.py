@@ -47,10 +47,11 @@ def test_quick_bench_json_fields_and_plots(models, tmp_path):
     head = EagleHead.random(ours, version=2, seed=0)
     result = run_bench(ours, CharTokenizer(), head, ["Why is the sky blue?"], max_new_tokens=6,
                        temperatures=(0.0, 1.0), chain_ks=(2,), tree="dynamic:2,2,4", batch_sizes=(1, 2),
-                       hf_model=hf, log=lambda m: None)
+                       hf_model=hf, log=lambda m: None, adaptive="adaptive:2,2,4")
     json.dumps(result)  # JSON-ready
     greedy, sampled = result["batch1"]["0.0"], result["batch1"]["1.0"]
-    assert list(greedy) == ["hf_plain", "hf_prompt_lookup", "plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)"]
+    assert list(greedy) == ["hf_plain", "hf_prompt_lookup", "plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)",
+                            "eagle_adaptive"]
     assert "hf_prompt_lookup" not in sampled and "eagle_chain2" in sampled
     for name, r in greedy.items():
         assert r["same_tokens_as_plain"] == 1.0, name  # every method decodes the same greedy text
@@ -63,10 +64,18 @@ def test_quick_bench_json_fields_and_plots(models, tmp_path):
         assert key in tree
     assert tree["mean_acceptance_length"] >= 1.0 and set(tree["time_s"]) >= {"draft", "verify"}
     assert sum(tree["first_rejection_hist"]) == tree["target_forwards"]
-    assert set(result["sweep"]) == {"hf_plain", "plain", "eagle_tree(dynamic:2,2,4)"}
+    assert set(result["sweep"]) == {"hf_plain", "plain", "eagle_tree(dynamic:2,2,4)", "eagle_adaptive"}
     assert all(set(v) == {"1", "2"} for v in result["sweep"].values())
     assert result["sweep"]["eagle_tree(dynamic:2,2,4)"]["2"]["num_requests"] == 2
-    assert "batch sweep" in summary(result)
+    adaptive = greedy["eagle_adaptive"]
+    assert adaptive["cost_model"]["verify_tokens"] == [1, 2, 4] and adaptive["startup_s"] > 0
+    hostile = result["hostile"]  # an untrained head: same greedy text, whatever it costs
+    assert list(hostile) == ["plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)", "eagle_adaptive"]
+    assert all(r["same_tokens_as_plain"] == 1.0 for r in hostile.values())
+    cfg = result["config"]
+    assert cfg["dtype"] == "float32" and cfg["date"] and cfg["machine"] and "commit" in cfg
+    text = summary(result)
+    assert "batch sweep" in text and "hostile" in text
 
     paths = plot(result, str(tmp_path / "e2e"))
     assert len(paths) == 4

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import specdec
 import specdec_kernels
@@ -25,6 +26,12 @@ def test_generate_default_model_with_shipped_head(capsys):
     out, err = capsys.readouterr()
     assert "mean acceptance length" in out and "tokens/s" in out and "eagle-2 chain:2" in out
     assert "warning" not in err  # the default model's head ships with the package
+
+
+def test_default_tree_is_adaptive_and_dtype_flag(capsys):
+    generate("--prompt", "What is 2 + 2?", "--max-new-tokens", "4", "--dtype", "float32", "--device", "cpu")
+    out, _ = capsys.readouterr()
+    assert "eagle-2 adaptive:6,8,32" in out and "mean acceptance length" in out
 
 
 def test_model_without_shipped_head_falls_back_to_random_head(capsys):
@@ -95,7 +102,11 @@ BAD_INPUTS = {
     "zero max new tokens": lambda t: ["--prompt", "hi", "--max-new-tokens", "0"],
     "bad tree": lambda t: ["--prompt", "hi", "--tree", "chain:0"],
     "bad batch size": lambda t: ["--prompt", "hi", "--batch-size", "0"],
+    "bad adaptive bounds": lambda t: ["--prompt", "hi", "--tree", "adaptive:3,0,8"],
+    "unknown device": lambda t: ["--prompt", "hi", "--device", "tpu:9"],
 }
+if not torch.cuda.is_available():
+    BAD_INPUTS["cuda without a GPU"] = lambda t: ["--prompt", "hi", "--device", "cuda"]
 
 
 def write(path, text):

@@ -25,9 +25,12 @@ def add_generate_arguments(p: argparse.ArgumentParser):
     src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     p.add_argument("--model", metavar="PATH", help="a .gguf file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
+    add_model_placement_arguments(p)
     p.add_argument("--method", choices=("plain", "eagle"), default="eagle")
     p.add_argument("--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)")
-    p.add_argument("--tree", default=TreeSpec.DEFAULT, help="chain:K or dynamic:DEPTH,TOPK,TOTAL (default %(default)s)")
+    p.add_argument("--tree", default="adaptive",
+                   help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default %(default)s: "
+                        "depth and size chosen each step from this machine's measured costs)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
@@ -40,7 +43,6 @@ def add_generate_arguments(p: argparse.ArgumentParser):
 
 def run_generate(args) -> int:
     from .engine import Engine, Request, SamplingParams
-    from .loader import load_model
 
     # everything checkable without the model first: bad flags fail fast
     prompts = read_prompts(args)
@@ -51,7 +53,7 @@ def run_generate(args) -> int:
     for flag in ("batch_size", "max_seq_len"):
         if getattr(args, flag) < 1:
             raise InvalidRequestError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model_from_args(args)
     head = load_eagle_head(args, model) if args.method == "eagle" else None
     requests = [Request(encode(tokenizer, text, not args.no_chat_template), p, id=i, prompt=text)
                 for i, (text, p) in enumerate(zip(prompts, params))]
@@ -73,6 +75,19 @@ def run_generate(args) -> int:
     print(f"\n== {label}, batch size {args.batch_size} ==")
     print(stats.summary())
     return 0
+
+
+def add_model_placement_arguments(p):
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="model dtype (default auto: bfloat16 on GPUs and CPUs with native bf16, else float32)")
+
+
+def load_model_from_args(args):
+    from .loader import load_model, resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    return load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
 
 
 def read_prompts(args) -> list:
