@@ -69,7 +69,9 @@ class CostModel:
     def measure(cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3) -> "CostModel":
         """Times the target over trees of 1, 2, 4, ... spec.total nodes and the drafter over
         1 .. spec.depth levels, at batch_size requests of `context` cached tokens (scratch
-        caches; the cache contents do not change the time)."""
+        caches; the cache contents do not change the time). Sizes whose verify costs more
+        than depth + 1 plain steps can never pay (a step yields at most depth + 1 tokens), so
+        measuring stops there and verify() extrapolates."""
         from .drafting import TreeSpec, draft_dynamic
 
         dev = model.tok_embeddings.weight.device
@@ -88,6 +90,8 @@ class CostModel:
                 mask, depth = ops.build_tree_mask(parents, num_nodes)
                 model(tokens, cache, slots, num_nodes, mask, depth, head.feature_layers)
             verify_s.append(_median_time(verify, repeats, dev))
+            if verify_s[-1] > (spec.depth + 1) * verify_s[0]:
+                break
 
         head_cache = head.new_cache(B, context + spec.head_nodes)
         head_cache.cache_lens.fill_(context)
@@ -96,7 +100,7 @@ class CostModel:
         draft_s = [_median_time(lambda: draft_dynamic(TreeSpec("dynamic", levels, spec.topk, spec.total), head,
                                                       hidden, head_cache, slots, roots), repeats, dev)
                    for levels in range(1, spec.depth + 1)]
-        return cls(B, sizes, verify_s, draft_s)
+        return cls(B, sizes[:len(verify_s)], verify_s, draft_s)
 
 
 def _median_time(fn, repeats: int, device) -> float:

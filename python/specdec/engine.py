@@ -4,7 +4,8 @@ One step for the B active requests:
     draft -> build_tree_mask -> target verify forward -> tree_rejection_sample
           -> compact_kv + commit (target) -> head extend (EAGLE) -> emit.
 Plain decoding is the same loop with the one-node tree (root only, T = 1); the first token
-after prefill is sampled the same way, on a one-node tree over the prefill logits.
+after prefill is sampled the same way, on a one-node tree over the prefill logits. In
+adaptive mode (specdec.adaptive) a policy sizes each step's tree, or makes it a plain step.
 
 Requests advance together with different accepted lengths; a finished one (EOS, max
 tokens, stop string, full cache) frees its slot for the next queued request. Each request
@@ -94,8 +95,9 @@ class Engine:
 
     model: specdec.model.Transformer; tokenizer: for EOS ids, stop strings and text (optional);
     head: an EagleHead or None; tree: TreeSpec or its string form ("chain:4",
-    "dynamic:5,8,32"); batch_size: requests decoded together; max_seq_len: cache positions
-    per request (prompt + generated)."""
+    "dynamic:5,8,32", "adaptive"); batch_size: requests decoded together; max_seq_len: cache
+    positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
+    measured here, which takes a few forwards; pass one to make the choices reproducible)."""
 
     def __init__(self, model, tokenizer=None, head=None, tree=TreeSpec.DEFAULT, batch_size: int = 1,
                  max_seq_len: int | None = None, block_size: int = 16, eos_token_ids=None,
