@@ -14,10 +14,11 @@ generates does not depend on its batch-mates.
 
 EAGLE head cache: positions 0..n-1 hold the head's pass over (token t+1, target feature t)
 pairs with the target's true features. Its draft tree is scratch space past n - 1
-(drafting.HeadTree); after acceptance the head re-runs the accepted pairs with the
-target's true features at positions n..n+a (as upstream EAGLE and SGLang do: the draft
-KV was computed from the head's own predicted features), so committing it is advancing
-cache_lens — the positions are already contiguous and compaction would be the identity.
+(drafting.HeadTree); the accepted pairs are re-run with the target's true features at
+positions n..n+a (as upstream EAGLE and SGLang do: the draft KV was computed from the
+head's own predicted features), so committing it is advancing cache_lens — the positions
+are already contiguous and compaction would be the identity. That re-run is deferred to
+the next drafting step (_head_catch_up), so plain steps of adaptive mode cost no head work.
 """
 import time
 from dataclasses import dataclass, field
@@ -120,6 +121,8 @@ class Engine:
             # the head's output at each slot's last committed position: what drafting starts from
             self.draft_hidden = torch.zeros(batch_size, model.args.dim, dtype=head.fc.weight.dtype,
                                             device=self.device)
+            # per slot: (tokens, target features) accepted since the head last ran (_head_catch_up)
+            self.head_pending = {}
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None
         if head is not None and self.tree.kind == "adaptive":
@@ -186,6 +189,7 @@ class Engine:
             if self.head is None or (self.policy is not None and not self.policy.speculate()):
                 d = drafting.plain_draft(roots)
             else:
+                self._head_catch_up(slots)
                 d = drafting.draft(self.tree, self.head, self.draft_hidden[slots], self.head_cache,
                                    slots, roots, self._sampling(seqs), self.policy)
             d = d.truncate(room)
@@ -205,7 +209,9 @@ class Engine:
                 features = self.head.select_features(out.hidden, out.aux)
                 path_features = features.gather(
                     1, accepted_nodes.long().clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
-                self._head_extend(slots, output_tokens.long().clamp(min=0), path_features, num_accepted + 1)
+                for slot, tok, feat, n in zip(slots.tolist(), output_tokens.long(), path_features,
+                                              (num_accepted + 1).tolist()):
+                    self.head_pending.setdefault(slot, []).append((tok[:n], feat[:n]))
         tree_depth = depth.max(dim=1).values.tolist()
         for s, a, n, dep in zip(seqs, num_accepted.tolist(), d.num_nodes.tolist(), tree_depth):
             s.stats.record_step(a, n, dep)
@@ -242,7 +248,24 @@ class Engine:
             tokens[b, : len(p)] = torch.cat((p[1:], first[b:b + 1]))
             feats[b, : len(p)] = f
         self.head_cache.reset(slots)
+        for slot in slots.tolist():
+            self.head_pending.pop(slot, None)
         self._head_extend(slots, tokens, feats, lengths)
+
+    def _head_catch_up(self, slots):
+        """Runs the head over the (token, target feature) pairs accepted since it last ran:
+        one call for however many steps that was (adaptive mode's plain steps skip the head
+        entirely and pay for it in one batched pass when drafting resumes)."""
+        rows = [i for i, s in enumerate(slots.tolist()) if self.head_pending.get(s)]
+        if not rows:
+            return
+        chunks = [self.head_pending.pop(int(slots[i])) for i in rows]
+        tokens = [torch.cat([t for t, _ in c]) for c in chunks]
+        feats = [torch.cat([f for _, f in c]) for c in chunks]
+        counts = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=self.device)
+        tokens = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True)
+        feats = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+        self._head_extend(slots[rows], tokens, feats, counts)
 
     def _head_extend(self, slots, tokens, features, counts):
         """Appends counts[b] (token, target feature) pairs to the head's cache of each slot and
