@@ -214,13 +214,13 @@ def _draft_mask(S: int, step: int, device) -> torch.Tensor:
     return torch.cat([j <= t - step + 1] + [j == t - step + u for u in range(2, step + 1)], dim=1)
 
 
-def make_batch(seqs: list):
+def make_batch(seqs: list, device=None):
     """Training tensors of a list of (tokens [S], hidden [S, dim], prompt_len).
 
     Position t reads (tokens[t + 1], hidden[t]) and is scored against hidden[t + 1] and
     tokens[t + 2], for t from prompt_len - 2 (predicting the first generated token) on.
     Returns tok_in long [B, L], feat_in [B, L, dim], feat_out [B, L, dim], labels long
-    [B, L], mask bool [B, L] with L = max S - 2."""
+    [B, L], mask bool [B, L] with L = max S - 2, on `device` (default CPU)."""
     L = max(len(t) for t, _, _ in seqs) - 2
     dim = seqs[0][1].shape[-1]
     tok_in = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -233,7 +233,7 @@ def make_batch(seqs: list):
         tok_in[b, :n], labels[b, :n] = tok[1:-1], tok[2:]
         feat_in[b, :n], feat_out[b, :n] = hid[:-2].float(), hid[1:-1].float()
         mask[b, max(p - 2, 0):n] = True
-    return tok_in, feat_in, feat_out, labels, mask
+    return tuple(t.to(device) for t in (tok_in, feat_in, feat_out, labels, mask))
 
 
 def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
@@ -284,6 +284,8 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
              else torch.unique(torch.cat([t[2:] for t, _, _ in seqs])))
     if draft_vocab:
         vocab = frequent_tokens(seqs, draft_vocab)
+    device = target.tok_embeddings.weight.device  # the target's: a GPU trains much faster
+    vocab = vocab.to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = math.ceil(len(seqs) / batch_size)
@@ -298,8 +300,8 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
     while step < stop:
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed + epoch))
-        batch = make_batch([seqs[j] for j in order[i * batch_size:(i + 1) * batch_size].tolist()])
-        noise_gen = torch.Generator().manual_seed(seed * 7919 + step)
+        batch = make_batch([seqs[j] for j in order[i * batch_size:(i + 1) * batch_size].tolist()], device)
+        noise_gen = torch.Generator(device).manual_seed(seed * 7919 + step)
         loss, fl, tl, accs = head_loss(head, batch, vocab, noise, noise_gen, ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -328,7 +330,7 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         bar.close()
     if step == total:
         if draft_vocab:
-            head.set_draft_vocab(vocab)
+            head.set_draft_vocab(vocab.cpu())
         head.to(save_dtype).save(output)
         summary = {"steps": total, "epochs": epochs, "batch_size": batch_size, "lr": lr, "noise": noise,
                    "ttt_steps": ttt_steps, "sequences": len(seqs), "vocab_for_ce": len(vocab),
@@ -363,7 +365,7 @@ def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
     {"feature_loss", "top1"} (top-1 = how often the first draft would be accepted, greedy)."""
     fl, hits, n = 0.0, 0, 0
     for i in range(0, len(seqs), batch_size):
-        tok_in, feat_in, feat_out, labels, mask = make_batch(seqs[i:i + batch_size])
+        tok_in, feat_in, feat_out, labels, mask = make_batch(seqs[i:i + batch_size], head.fc.weight.device)
         pred = head_train_forward(head, tok_in, feat_in)[0][mask]
         fl += F.smooth_l1_loss(pred, feat_out[mask], reduction="none").mean(-1).sum().item()
         hits += (head.logits(pred).argmax(-1) == labels[mask]).sum().item()
@@ -421,26 +423,28 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="dtype of the saved head")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
 
 
 def run(args) -> int:
     from .data import sharegpt_prompts
-    from .loader import load_model
+    from .loader import load_model, resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     data_dir = args.data_dir or os.path.join(args.output, "data")
     progress = not args.no_progress
+    device = resolve_device(args.device)
     if args.stage in ("all", "generate"):
-        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.gen_dtype))
+        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.gen_dtype), device=device)
         prompts = tokenize_prompts(tokenizer, sharegpt_prompts(args.num_prompts, args.seed), args.max_prompt_tokens)
         generate_shards(model, tokenizer, prompts, data_dir, args.gen_batch_size, args.max_new_tokens,
                         args.gen_temperature, args.seed, args.max_shards, progress)
     if args.stage in ("all", "train"):
-        model, _ = load_model(args.model)
+        model, _ = load_model(args.model, device=device)
         shards = shard_paths(data_dir)
         if args.val_shards >= len(shards):
             raise InvalidRequestError(f"{data_dir} has {len(shards)} shards: too few to hold {args.val_shards} out")
