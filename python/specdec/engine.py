@@ -237,25 +237,18 @@ class Engine:
                                          sp.temperature, sp.top_k, sp.top_p, uniforms)
 
     def _head_prefill(self, seqs, slots, prompts, first, out):
-        """The head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair using
-        the first generated token."""
+        """Queues the head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair
+        using the first generated token (run by _head_catch_up before the first draft)."""
         features = self.head.select_features(out.hidden, out.aux)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
-        S = int(lengths.max())
-        tokens = torch.zeros(len(seqs), S, dtype=torch.long, device=self.device)
-        feats = features[0].new_zeros(len(seqs), S, features[0].shape[-1])
-        for b, (p, f) in enumerate(zip(prompts, features)):
-            tokens[b, : len(p)] = torch.cat((p[1:], first[b:b + 1]))
-            feats[b, : len(p)] = f
         self.head_cache.reset(slots)
-        for slot in slots.tolist():
-            self.head_pending.pop(slot, None)
-        self._head_extend(slots, tokens, feats, lengths)
+        for b, (slot, p, f) in enumerate(zip(slots.tolist(), prompts, features)):
+            self.head_pending[slot] = [(torch.cat((p[1:], first[b:b + 1])), f)]
 
     def _head_catch_up(self, slots):
-        """Runs the head over the (token, target feature) pairs accepted since it last ran:
-        one call for however many steps that was (adaptive mode's plain steps skip the head
-        entirely and pay for it in one batched pass when drafting resumes)."""
+        """Runs the head over the (token, target feature) pairs queued since it last ran (the
+        prompt's, then each step's accepted ones): one call for however many steps that was,
+        so adaptive mode's plain steps skip the head entirely and pay for it in one batched
+        pass when drafting resumes."""
         rows = [i for i, s in enumerate(slots.tolist()) if self.head_pending.get(s)]
         if not rows:
             return
