@@ -34,12 +34,8 @@ def bench_one(run, B, T):
     # The reference walks every node in Python (a host sync per node on CUDA): few iterations.
     naive = time_fn(sk.reference.build_tree_mask, 0, 3, run.device, sets)
     row["naive_us"] = naive * 1e6
-    for b in run.backends:
-        fn = lambda *a: sk.build_tree_mask(*a, backend=b)  # noqa: E731
-        t = time_fn(fn, 3, 30 if run.device.type == "cpu" else 100, run.device, sets)
-        row[f"{b}_us"] = t * 1e6
-        row[f"{b}_speedup"] = naive / t
-        row.update(run.bandwidth(b, floor, t))
+    fns = run.time_backends(row, sk.build_tree_mask, sets, naive, floor, 3, 30 if run.device.type == "cpu" else 100)
+    for b, fn in fns.items():
         row[f"{b}_same_as_naive"] = all(torch.equal(g, e) for g, e in zip(fn(*args), expected))
         row[f"{b}_goal"] = goal_status(row[f"{b}_speedup"] >= 3 if run.device.type == "cpu" else None)
     run.add(row)

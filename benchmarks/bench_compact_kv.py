@@ -87,12 +87,8 @@ def bench_one(run, B, context, T, accepted, dtype):
            "copies": len(sets), "floor_MB": floor / 1e6, "floor_us": floor / (run.copy_gbps * 1e9) * 1e6}
     naive = time_fn(sk.reference.compact_kv, 1, 5, run.device, sets)
     row["naive_us"] = naive * 1e6
-    for b in run.backends:
-        fn = lambda *a: sk.compact_kv(*a, backend=b)  # noqa: E731
-        t = time_fn(fn, 3, 30 if run.device.type == "cpu" else 100, run.device, sets)
-        row[f"{b}_us"] = t * 1e6
-        row[f"{b}_speedup"] = naive / t
-        row.update(run.bandwidth(b, floor, t))
+    fns = run.time_backends(row, sk.compact_kv, sets, naive, floor, 3, 30 if run.device.type == "cpu" else 100)
+    for b, fn in fns.items():
         row[f"{b}_launches"] = count_launches(lambda: fn(*sets[0]), run.device)
     add_goals(row, run)
     run.add(row)

@@ -104,12 +104,9 @@ def bench_one(run, B, T, V, mode):
     # The reference walks in Python (host syncs on CUDA) and sorts visited rows: few iterations.
     naive = time_fn(sk.reference.tree_rejection_sample, 0, 3, run.device, sets)
     row["naive_ms"] = naive * 1e3
-    for b in run.backends:
-        fn = lambda *a: sk.tree_rejection_sample(*a, backend=b)  # noqa: E731
-        t = time_fn(fn, 2, 10 if run.device.type == "cpu" else 50, run.device, sets)
-        row[f"{b}_ms"] = t * 1e3
-        row[f"{b}_speedup"] = naive / t
-        row.update(run.bandwidth(b, floor, t))
+    fns = run.time_backends(row, sk.tree_rejection_sample, sets, naive, floor, 2,
+                            10 if run.device.type == "cpu" else 50, unit="ms")
+    for b, fn in fns.items():
         got = fn(*sets[0])  # same uniforms: the exact rule must give the reference's walk
         row[f"{b}_same_as_naive"] = all(torch.equal(g.cpu(), e.cpu()) for g, e in zip(got, expected))
     add_goals(row, run)

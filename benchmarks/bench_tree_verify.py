@@ -136,13 +136,12 @@ def bench_one(run, B, T, context, dtype_name, warmup, iters, with_flashinfer):
     row = {"dtype": dtype_name, "B": B, "T": T, "context": context, "copies": len(sets),
            "floor_MB": floor / 1e6}
     expected = time_naive(sets, row, warmup, iters, run.device, scale)
-    for b in run.backends:
-        t = time_fn(lambda *a: sk.tree_verify(*a, scale, backend=b), warmup, iters, run.device, sets)
-        row[f"{b}_ms"] = t * 1e3
-        row[f"{b}_speedup"] = row["naive_ms"] / row[f"{b}_ms"] if row["naive_ms"] else None
-        row.update(run.bandwidth(b, floor, t))
+    naive = row["naive_ms"] / 1e3 if row["naive_ms"] else None
+    fns = run.time_backends(row, lambda *a, backend: sk.tree_verify(*a, scale, backend=backend), sets, naive,
+                            floor, warmup, iters, unit="ms")
+    for b, fn in fns.items():
         if expected is not None:  # a sanity check that the timed kernel computes the op
-            out = sk.tree_verify(*sets[0], scale, backend=b)
+            out = fn(*sets[0])
             row[f"{b}_max_abs_diff"] = float((out.float() - expected.float()).abs().max())
     if with_flashinfer:
         time_flashinfer(sets, row, run, warmup, iters, scale)

@@ -310,6 +310,20 @@ class BenchRun:
         gbps = floor_bytes / seconds / 1e9
         return {f"{prefix}_GBps": gbps, f"{prefix}_frac_copy_bw": gbps / self.copy_gbps}
 
+    def time_backends(self, row, op, sets, naive_s, floor_bytes, warmup, iters, unit="us"):
+        """Times op(*inputs, backend=b) over the rotated input sets for every backend: row
+        gets {b}_{unit}, {b}_speedup (against naive_s seconds; None when the naive run was
+        skipped) and the bandwidth columns. Returns {backend: fn} for per-op extra columns."""
+        per_second = {"us": 1e6, "ms": 1e3}[unit]
+        fns = {}
+        for b in self.backends:
+            fns[b] = fn = lambda *a, b=b: op(*a, backend=b)  # noqa: E731
+            t = time_fn(fn, warmup, iters, self.device, sets)
+            row[f"{b}_{unit}"] = t * per_second
+            row[f"{b}_speedup"] = naive_s / t if naive_s else None
+            row.update(self.bandwidth(b, floor_bytes, t))
+        return fns
+
     def add(self, row):
         self.rows.append(row)
         print("  " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
