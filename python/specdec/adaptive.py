@@ -30,6 +30,8 @@ import torch
 
 import specdec_kernels.ops as ops
 
+from .drafting import TreeSpec, draft_dynamic
+
 DECAY = 0.97  # per step: the statistics cover roughly the last 30 steps
 PRIOR = 2.0  # pseudo-count of confidence behind the initial ratio 1 (trust the head at first)
 MIN_PROBE, MAX_PROBE = 4, 64
@@ -72,8 +74,6 @@ class CostModel:
         caches; the cache contents do not change the time). Sizes whose verify costs more
         than depth + 1 plain steps can never pay (a step yields at most depth + 1 tokens), so
         measuring stops there and verify() extrapolates."""
-        from .drafting import TreeSpec, draft_dynamic
-
         dev = model.tok_embeddings.weight.device
         B = batch_size
         slots = torch.arange(B, device=dev)
@@ -154,17 +154,21 @@ class Policy:
         local = (logprob.float().exp() * ratio).clamp(max=1.0)
         return local if parent_value is None else parent_value[..., None] * local
 
-    def best(self, values: torch.Tensor, levels: int, extra_nodes: int = 0, extra_value=None):
-        """-> (rate, N): the best expected tokens per second over the N most likely of the
-        candidates values [B, C] (batch mean), drafting `levels` levels; extra_value [B]
-        (with extra_nodes more nodes) is the optimistic gain of one more level."""
-        sums = values.sort(dim=1, descending=True).values.cumsum(1).mean(0).tolist()
-        gain = float(extra_value.mean()) if extra_value is not None else 0.0
+    @staticmethod
+    def prefix_values(values: torch.Tensor) -> list:
+        """Candidate values [B, C] -> [s_1 .. s_C]: expected accepted drafts of the n most
+        likely candidates (batch mean)."""
+        return values.sort(dim=1, descending=True).values.cumsum(1).mean(0).tolist()
+
+    def best(self, sums: list, levels: int, extra_nodes: int = 0, gain: float = 0.0):
+        """-> (rate, N): the best expected tokens per second over the N most likely
+        candidates (sums from prefix_values), drafting `levels` levels; gain (with
+        extra_nodes more nodes) is the optimistic value of one more level."""
         draft = self.cost.draft(levels)
         best_rate, best_n = 1.0 / (draft + self.cost.verify(1)), 0
-        limit = min(len(sums), self.spec.total - 1)
-        for n in range(1, limit + 1):
-            rate = (1.0 + sums[n - 1] + gain) / (draft + self.cost.verify(min(n + extra_nodes, self.spec.total - 1) + 1))
+        for n in range(1, min(len(sums), self.spec.total - 1) + 1):
+            T = min(n + extra_nodes, self.spec.total - 1) + 1
+            rate = (1.0 + sums[n - 1] + gain) / (draft + self.cost.verify(T))
             if rate > best_rate:
                 best_rate, best_n = rate, n
         return best_rate, best_n
@@ -175,14 +179,16 @@ class Policy:
         allows."""
         if levels >= self.spec.depth:
             return False
-        now, _ = self.best(values, levels)
+        sums = self.prefix_values(values)
+        now, _ = self.best(sums, levels)
         ratio = min(1.0, float(self.accepted[levels] / self.confidence[levels]))
-        later, _ = self.best(values, levels + 1, frontier_values.shape[1], frontier_values.sum(1) * ratio)
+        gain = float(frontier_values.sum(1).mean()) * ratio
+        later, _ = self.best(sums, levels + 1, frontier_values.shape[1], gain)
         return later > now
 
     def size(self, values: torch.Tensor, levels: int) -> int:
         self.levels = levels
-        return self.best(values, levels)[1]
+        return self.best(self.prefix_values(values), levels)[1]
 
     # ------------------------------------------------------------------ learning
     def observe(self, d, depth, accepted_nodes, num_accepted):
@@ -195,12 +201,13 @@ class Policy:
         on_path = on_path[:, :T]
         valid = (node[None] < d.num_nodes[:, None]) & (d.parents >= 0)
         tried = valid & on_path.gather(1, d.parents.long().clamp(min=0))
-        dep = (depth.long() - 1).clamp(min=0)
+        dep = (depth.long() - 1).clamp(min=0)[tried]
         D = self.spec.depth
-        conf = torch.zeros(D, dtype=torch.float64).index_add_(
-            0, dep[tried].cpu(), d.confidence[tried].double().cpu())
-        acc = torch.zeros(D, dtype=torch.float64).index_add_(
-            0, dep[tried & on_path].cpu(), torch.ones(int((tried & on_path).sum()), dtype=torch.float64))
+        # one host transfer: per depth, summed confidence and accepted count of the tried nodes
+        sums = torch.zeros(2, D, dtype=torch.float64, device=dep.device)
+        sums[0].index_add_(0, dep, d.confidence[tried].double())
+        sums[1].index_add_(0, dep, on_path[tried].double())
+        conf, acc = sums.cpu()
         self.confidence = DECAY * self.confidence + conf
         self.accepted = DECAY * self.accepted + acc
         # keep the prior's weight as a floor, so a depth that is never tried keeps ratio ~1

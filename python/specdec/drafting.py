@@ -105,8 +105,6 @@ class Draft:
                      num_nodes, self.draft_probs, self.confidence)
 
 
-
-
 @dataclass
 class BatchSampling:
     """Per-request sampling parameters of the active batch.

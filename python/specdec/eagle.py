@@ -197,11 +197,8 @@ class EagleHead(nn.Module):
 
     def scatter_to_target(self, draft_values, fill: float):
         """[..., Vd] values over draft ids -> [..., V] over target ids, `fill` elsewhere."""
-        if self.d2t is None:
+        if self.d2t is None or (self.draft_vocab_size == self.args.vocab_size and not self.d2t.any()):
             return draft_values
-        if not self.d2t.any():
-            return draft_values if self.draft_vocab_size == self.args.vocab_size else \
-                F.pad(draft_values, (0, self.args.vocab_size - self.draft_vocab_size), value=fill)
         out = draft_values.new_full((*draft_values.shape[:-1], self.args.vocab_size), fill)
         ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=draft_values.device))
         return out.index_copy_(-1, ids, draft_values)

@@ -173,7 +173,7 @@ class Engine:
             out = self.model.prefill(prompts, self.cache, slots, self.feature_layers)
             B = len(seqs)
             root = drafting.plain_draft(torch.zeros(B, dtype=torch.long, device=self.device))
-            _, _, first = self._sample(seqs, out.logits[:, None], root)
+            _, _, first = self._sample(self._sampling(seqs), out.logits[:, None], root)
             first = first[:, 0].long()
             if self.head is not None:
                 self._head_prefill(seqs, slots, prompts, first, out)
@@ -185,19 +185,20 @@ class Engine:
         slots = self._slots(seqs)
         roots = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
         room = self.capacity - self.cache.cache_lens[slots]
+        sampling = self._sampling(seqs)
         with timed(self.device, "draft", all_stats):
             if self.head is None or (self.policy is not None and not self.policy.speculate()):
                 d = drafting.plain_draft(roots)
             else:
                 self._head_catch_up(slots)
                 d = drafting.draft(self.tree, self.head, self.draft_hidden[slots], self.head_cache,
-                                   slots, roots, self._sampling(seqs), self.policy)
+                                   slots, roots, sampling, self.policy)
             d = d.truncate(room)
         with timed(self.device, "verify", all_stats):
             tree_mask, depth = ops.build_tree_mask(d.parents, d.num_nodes)
             out = self.model(d.tokens, self.cache, slots, d.num_nodes, tree_mask, depth, self.feature_layers)
         with timed(self.device, "sample", all_stats):
-            accepted_nodes, num_accepted, output_tokens = self._sample(seqs, out.logits, d)
+            accepted_nodes, num_accepted, output_tokens = self._sample(sampling, out.logits, d)
             if d.confidence is not None:
                 self.policy.observe(d, depth, accepted_nodes, num_accepted)
         with timed(self.device, "compact", all_stats):
@@ -229,10 +230,9 @@ class Engine:
             top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
             generators=[s.generator for s in seqs])
 
-    def _sample(self, seqs, logits, d):
+    def _sample(self, sp: BatchSampling, logits, d):
         """tree_rejection_sample with each request's parameters and its own uniforms."""
-        sp = self._sampling(seqs)
-        uniforms = ops.make_uniforms(len(seqs), logits.shape[1], self.device, sp.generators)
+        uniforms = ops.make_uniforms(len(sp.generators), logits.shape[1], self.device, sp.generators)
         return ops.tree_rejection_sample(logits, d.tokens, d.parents, d.num_nodes, d.draft_probs,
                                          sp.temperature, sp.top_k, sp.top_p, uniforms)
 
