@@ -3,9 +3,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 namespace specdec {
 namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 bool is_index_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong;
@@ -38,23 +41,34 @@ void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* r
               " (", ref.device(), "), got ", t.device());
 }
 
-// Host-side int32 view of a (small) index tensor, for value checks.
-at::Tensor host_index(const at::Tensor& t) { return t.to(at::kCPU).to(at::kInt).contiguous(); }
+// Host-side int64 view of a (small) index tensor, for value checks. The values are checked
+// here, in int64, before the kernels narrow them to int32 (as_index): a value that does not
+// fit int32 is rejected by name instead of wrapping around to a valid-looking one.
+at::Tensor host_index(const at::Tensor& t) { return t.to(at::kCPU).to(at::kLong).contiguous(); }
 at::Tensor host_float(const at::Tensor& t) { return t.to(at::kCPU).to(at::kFloat).contiguous(); }
+
+// The kernels keep positions (cache_lens + node) in int32: every position an op touches
+// must be at most kMaxPosition.
+void check_position(int64_t cache_len, int64_t end, int64_t b, const char* end_what) {
+  TORCH_CHECK(cache_len >= 0, "cache_lens[", b, "] = ", cache_len, " must be >= 0");
+  TORCH_CHECK(end - 1 <= kInt32Max, end_what, " of request ", b, " reaches position ", end - 1,
+              ", beyond the largest supported position 2^31 - 1 = ", kInt32Max,
+              " (cache_lens[", b, "] = ", cache_len, ")");
+}
 
 // num_nodes in [1, T], parents[b, 0] == -1, 0 <= parents[b, i] < i for 1 <= i < num_nodes[b].
 void check_tree_values(const at::Tensor& parents, const at::Tensor& num_nodes) {
   const at::Tensor p = host_index(parents), n = host_index(num_nodes);
   const int64_t B = p.size(0), T = p.size(1);
-  const int32_t* pp = p.data_ptr<int32_t>();
-  const int32_t* np = n.data_ptr<int32_t>();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  const int64_t* np = n.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(np[b] >= 1 && np[b] <= T, "num_nodes[", b, "] = ", np[b],
                 " is out of range [1, T = ", T, "]");
     TORCH_CHECK(pp[b * T] == -1, "parents[", b, ", 0] must be -1 (node 0 is the root), got ",
                 pp[b * T]);
     for (int64_t i = 1; i < np[b]; ++i) {
-      const int32_t par = pp[b * T + i];
+      const int64_t par = pp[b * T + i];
       TORCH_CHECK(par >= 0 && par < i, "parents[", b, ", ", i, "] = ", par,
                   " must satisfy 0 <= parent < ", i,
                   " (nodes in topological order, parent before child)");
@@ -67,7 +81,7 @@ void check_block_table_values(const at::Tensor& block_table, const at::Tensor& e
                               int64_t num_blocks, int64_t block_size, const char* end_what) {
   const at::Tensor bt = host_index(block_table);
   const int64_t B = bt.size(0), max_blocks = bt.size(1);
-  const int32_t* btp = bt.data_ptr<int32_t>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* ep = ends.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (ep[b] + block_size - 1) / block_size;
@@ -75,7 +89,7 @@ void check_block_table_values(const at::Tensor& block_table, const at::Tensor& e
                 ", beyond the ", max_blocks * block_size, " positions its block_table row owns (",
                 max_blocks, " blocks of ", block_size, ")");
     for (int64_t j = 0; j < used; ++j) {
-      const int32_t blk = btp[b * max_blocks + j];
+      const int64_t blk = btp[b * max_blocks + j];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk,
                   " is out of range [0, num_blocks = ", num_blocks, ")");
     }
@@ -93,7 +107,16 @@ bool should_check_values(const at::Tensor& t) {
   return enabled;
 }
 
-at::Tensor as_index(const at::Tensor& t) { return t.to(at::kInt).contiguous(); }
+at::Tensor as_index(const at::Tensor& t) {
+  // Saturate instead of wrapping: on devices whose values are not checked (CUDA without
+  // SPECDEC_VALIDATE) an int64 value past int32 becomes an out-of-range value that the
+  // kernels' bounds reject, never a valid-looking one (2^32 would wrap to 0). A device op,
+  // so it needs no host sync and is CUDA-graph safe.
+  if (t.scalar_type() == at::kLong) {
+    return t.clamp(std::numeric_limits<int32_t>::min(), kInt32Max).to(at::kInt).contiguous();
+  }
+  return t.to(at::kInt).contiguous();
+}
 at::Tensor as_float(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
 void check_build_tree_mask(const at::Tensor& parents, const at::Tensor& num_nodes, bool values) {
@@ -146,7 +169,9 @@ void check_tree_verify(const at::Tensor& q, const at::Tensor& k_cache, const at:
   check_size(tree_mask, "tree_mask", 0, B, "the batch size B of q");
   check_size(tree_mask, "tree_mask", 1, T, "the tree size T of q");
   check_size(tree_mask, "tree_mask", 2, (T + 63) / 64, "ceil(T / 64)");
-  TORCH_CHECK(std::isfinite(sm_scale), "sm_scale must be finite, got ", sm_scale);
+  TORCH_CHECK(std::isfinite(sm_scale) && std::fabs(sm_scale) <= kMaxSmScale,
+              "sm_scale must be finite with |sm_scale| <= ", kMaxSmScale,
+              " (scores are scaled in float32), got ", sm_scale);
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
                                 {v_cache, "v_cache"},
                                 {block_table, "block_table"},
@@ -159,11 +184,11 @@ void check_tree_verify(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const at::Tensor n = host_index(num_nodes), c = host_index(cache_lens);
   at::Tensor ends = at::empty({B}, at::kLong);
   for (int64_t b = 0; b < B; ++b) {
-    const int32_t nb = n.data_ptr<int32_t>()[b], cb = c.data_ptr<int32_t>()[b];
+    const int64_t nb = n.data_ptr<int64_t>()[b], cb = c.data_ptr<int64_t>()[b];
     TORCH_CHECK(nb >= 1 && nb <= T, "num_nodes[", b, "] = ", nb, " is out of range [1, T = ", T,
                 "]");
-    TORCH_CHECK(cb >= 0, "cache_lens[", b, "] = ", cb, " must be >= 0");
-    ends.data_ptr<int64_t>()[b] = int64_t(cb) + nb;
+    check_position(cb, cb + nb, b, "cache_lens + num_nodes");
+    ends.data_ptr<int64_t>()[b] = cb + nb;
   }
   check_block_table_values(block_table, ends, k_cache.size(0), k_cache.size(1),
                            "cache_lens + num_nodes");
@@ -222,8 +247,8 @@ void check_tree_rejection_sample(const at::Tensor& target_logits, const at::Tens
   check_tree_values(parents, num_nodes);
   const at::Tensor tok = host_index(draft_tokens), n = host_index(num_nodes);
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 1; i < n.data_ptr<int32_t>()[b]; ++i) {
-      const int32_t x = tok.data_ptr<int32_t>()[b * T + i];
+    for (int64_t i = 1; i < n.data_ptr<int64_t>()[b]; ++i) {
+      const int64_t x = tok.data_ptr<int64_t>()[b * T + i];
       TORCH_CHECK(x >= 0 && x < V, "draft_tokens[", b, ", ", i, "] = ", x,
                   " is out of range [0, V = ", V, ")");
     }
@@ -234,8 +259,9 @@ void check_tree_rejection_sample(const at::Tensor& target_logits, const at::Tens
     const float t = temp.data_ptr<float>()[b], p = tp.data_ptr<float>()[b];
     TORCH_CHECK(std::isfinite(t) && t >= 0.f, "temperature[", b, "] = ", t,
                 " must be finite and >= 0 (0 means greedy)");
-    TORCH_CHECK(tk.data_ptr<int32_t>()[b] >= 0, "top_k[", b, "] = ", tk.data_ptr<int32_t>()[b],
-                " must be >= 0 (0 disables top-k)");
+    const int64_t k = tk.data_ptr<int64_t>()[b];
+    TORCH_CHECK(k >= 0 && k <= kInt32Max, "top_k[", b, "] = ", k,
+                " must be in [0, 2^31 - 1] (0 disables top-k)");
     TORCH_CHECK(p > 0.f && p <= 1.f, "top_p[", b, "] = ", p,
                 " must be in (0, 1] (1 disables top-p)");
   }
@@ -262,6 +288,12 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
   TORCH_CHECK(k_cache.is_contiguous(), "k_cache must be contiguous");
   TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
   TORCH_CHECK(!k_cache.is_same(v_cache), "k_cache and v_cache must be different tensors");
+  {
+    const int64_t nd = k_cache.dim();
+    TORCH_CHECK(k_cache.size(nd - 4) >= 1 && k_cache.size(nd - 3) >= 1,
+                "k_cache must have num_blocks >= 1 and block_size >= 1, got shape ",
+                k_cache.sizes());
+  }
   check_index(block_table, "block_table", 2);
   check_index(cache_lens, "cache_lens", 1);
   check_index(accepted_nodes, "accepted_nodes", 2);
@@ -285,11 +317,10 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
   const at::Tensor c = host_index(cache_lens);
   at::Tensor ends = at::empty({B}, at::kLong);
   for (int64_t b = 0; b < B; ++b) {
-    const int32_t nb = na.data_ptr<int32_t>()[b], cb = c.data_ptr<int32_t>()[b];
-    const int32_t* ap = a.data_ptr<int32_t>() + b * T;
+    const int64_t nb = na.data_ptr<int64_t>()[b], cb = c.data_ptr<int64_t>()[b];
+    const int64_t* ap = a.data_ptr<int64_t>() + b * T;
     TORCH_CHECK(nb >= 0 && nb < T, "num_accepted[", b, "] = ", nb, " is out of range [0, T - 1 = ",
                 T - 1, "]");
-    TORCH_CHECK(cb >= 0, "cache_lens[", b, "] = ", cb, " must be >= 0");
     TORCH_CHECK(ap[0] == 0, "accepted_nodes[", b, ", 0] must be 0 (the root), got ", ap[0]);
     for (int64_t k = 1; k <= nb; ++k) {
       TORCH_CHECK(ap[k] > ap[k - 1] && ap[k] < T, "accepted_nodes[", b, ", ", k, "] = ", ap[k],
@@ -297,7 +328,8 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
                   "below T = ",
                   T);
     }
-    ends.data_ptr<int64_t>()[b] = int64_t(cb) + ap[nb] + 1;
+    check_position(cb, cb + ap[nb] + 1, b, "cache_lens + accepted_nodes");
+    ends.data_ptr<int64_t>()[b] = cb + ap[nb] + 1;
   }
   const int64_t nd = k_cache.dim();
   check_block_table_values(block_table, ends, k_cache.size(nd - 4), k_cache.size(nd - 3),

@@ -16,6 +16,12 @@
 
 namespace specdec {
 
+// Largest |sm_scale| tree_verify accepts. Scores are q.k * sm_scale * log2(e) in float32: a
+// larger scale overflows them to inf (and the softmax to NaN) for ordinary q and k, while the
+// float64 reference stays finite. With |sm_scale| <= 2^16 the scores stay finite whenever
+// |q.k| < 2^111 (about 2.6e33).
+constexpr double kMaxSmScale = 65536.0;
+
 // True when data-dependent checks should run for tensors on `t`'s device.
 bool should_check_values(const at::Tensor& t);
 

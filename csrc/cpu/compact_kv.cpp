@@ -29,8 +29,9 @@ void compact_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t which = t / (L * B), l = (t / B) % L, b = t % B;
       char* layer = caches[which] + l * NB * bs * row_bytes;
+      const int64_t cache_len = cl[b];  // int64: cache_len + node may pass 2^31 - 1
       for (int64_t k = 1; k <= na[b]; ++k) {  // k = 0 is the root: already in place
-        const int64_t src = slot(b, cl[b] + acc[b * T + k]), dst = slot(b, cl[b] + k);
+        const int64_t src = slot(b, cache_len + acc[b * T + k]), dst = slot(b, cache_len + k);
         if (src != dst) std::memcpy(layer + dst * row_bytes, layer + src * row_bytes, row_bytes);
       }
     }

@@ -12,37 +12,45 @@ import torch
 import triton
 import triton.language as tl
 
+from ._index import index32
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
-def _copy_path(cache_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, T, cols, col_mask):
+def _copy_path(cache_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, T, cols, col_mask):
     """Copies rows cache_lens + accepted[k] -> cache_lens + k (k = 1..na) of one layer."""
     base = cache_ptr + layer * NB * bs * ROW
     for k in range(1, na + 1):
         src = c + tl.load(acc_ptr + b * T + k)
         dst = c + k
-        if src != dst:
-            src_row = tl.load(bt_ptr + b * MB + src // bs).to(tl.int64) * bs + src % bs
-            dst_row = tl.load(bt_ptr + b * MB + dst // bs).to(tl.int64) * bs + dst % bs
-            vals = tl.load(base + src_row * ROW + cols, mask=col_mask)
-            tl.store(base + dst_row * ROW + cols, vals, mask=col_mask)
+        # Unvalidated (GPU) inputs: a position outside the block table row, or a block id
+        # outside the cache, skips the step instead of reading or writing out of bounds.
+        ok = (src != dst) & (src >= 0) & (src < S) & (dst >= 0) & (dst < S)  # S = MB * bs
+        if ok:
+            src_blk = tl.load(bt_ptr + b * MB + src // bs).to(tl.int64)
+            dst_blk = tl.load(bt_ptr + b * MB + dst // bs).to(tl.int64)
+            if (src_blk >= 0) & (src_blk < NB) & (dst_blk >= 0) & (dst_blk < NB):
+                src_row = src_blk * bs + src % bs
+                dst_row = dst_blk * bs + dst % bs
+                vals = tl.load(base + src_row * ROW + cols, mask=col_mask)
+                tl.store(base + dst_row * ROW + cols, vals, mask=col_mask)
 
 
 @triton.jit
 def _compact_kv_kernel(k_ptr, v_ptr, bt_ptr, cache_lens_ptr, acc_ptr, num_acc_ptr,
-                       NB, bs, ROW, MB, T, BLOCK: tl.constexpr):
+                       NB, bs, ROW, MB, S, T, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     layer = (pid // 2).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < ROW
-    c = tl.load(cache_lens_ptr + b)
-    na = tl.load(num_acc_ptr + b)
+    c = tl.load(cache_lens_ptr + b).to(tl.int64)  # c + node may pass 2^31 - 1
+    na = tl.minimum(tl.maximum(tl.load(num_acc_ptr + b), 0), T - 1)
     if pid % 2 == 0:
-        _copy_path(k_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, T, cols, col_mask)
+        _copy_path(k_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, T, cols, col_mask)
     else:
-        _copy_path(v_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, T, cols, col_mask)
+        _copy_path(v_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, T, cols, col_mask)
 
 
 @torch.library.custom_op("specdec_triton::compact_kv", mutates_args=("k_cache", "v_cache"))
@@ -64,8 +72,6 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.
     ROW = H * D
     BLOCK = min(triton.next_power_of_2(ROW), 1024)
     grid = (2 * L, B, triton.cdiv(ROW, BLOCK))
-    _compact_kv_kernel[grid](k.view(bits), v.view(bits), block_table.to(torch.int32).contiguous(),
-                             cache_lens.to(torch.int32).contiguous(),
-                             accepted_nodes.to(torch.int32).contiguous(),
-                             num_accepted.to(torch.int32).contiguous(), NB, bs, ROW, MB, T,
-                             BLOCK=BLOCK)
+    _compact_kv_kernel[grid](k.view(bits), v.view(bits), index32(block_table),
+                             index32(cache_lens), index32(accepted_nodes), index32(num_accepted),
+                             NB, bs, ROW, MB, MB * bs, T, BLOCK=BLOCK)

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._index import index32
+
 # Bisection steps: the keys of two fp32 values differ by < 2^32, so 33 halvings
 # always reach a single key; converged steps are skipped.
 _BISECT_STEPS = tl.constexpr(33)
@@ -197,7 +199,7 @@ def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr
                       acc_nodes_ptr, num_acc_ptr, out_tok_ptr, bad_ptr, T, V,
                       HAS_DP: tl.constexpr, T_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    n = tl.load(num_nodes_ptr + b)
+    n = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + b), 1), T)  # unvalidated (GPU) input
     temp = tl.load(temp_ptr + b)
     top_k = tl.load(top_k_ptr + b)
     top_p = tl.load(top_p_ptr + b)
@@ -218,6 +220,9 @@ def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr
     for c in range(1, n):
         if tl.load(parents_ptr + b * T + c) == u:  # next child of the current node
             x = tl.load(tokens_ptr + b * T + c)
+            # An out-of-range token (unvalidated GPU input) is never read, and never accepted.
+            x_ok = (x >= 0) & (x < V)
+            x = tl.where(x_ok, x, 0)
             row_u = logits_b + u.to(tl.int64) * V
             r_x = _prob(tl.load(row_u + x).to(tl.float32), x, mx, amax, inv_t, tau, Z, greedy)
             if HAS_DP:
@@ -227,6 +232,7 @@ def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr
             else:
                 q_x = 1.0
                 r_x = tl.where(tl.sum((rej == x).to(tl.int32), 0) > 0, 0.0, r_x)
+            r_x = tl.where(x_ok, r_x, 0.0)
             if tl.load(unif_ptr + b * (T + 1) + c) * q_x * sum_r < r_x:  # accept c
                 tl.store(acc_nodes_ptr + b * T + depth, c)
                 tl.store(out_tok_ptr + b * T + depth - 1, x)
@@ -275,7 +281,7 @@ def tree_rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tenso
     A custom op, so torch.compile treats the launch as one opaque call."""
     B, T, V = target_logits.shape
     dev = target_logits.device
-    i32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+    i32 = index32
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
     accepted = torch.full((B, T), -1, dtype=torch.int32, device=dev)
     out_tokens = torch.full((B, T), -1, dtype=torch.int32, device=dev)

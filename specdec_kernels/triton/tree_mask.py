@@ -8,12 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._index import index32
+
 
 @triton.jit
 def _tree_mask_kernel(parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W,
                       T_PAD: tl.constexpr, W_PAD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    n = tl.load(num_nodes_ptr + b)
+    n = tl.minimum(tl.load(num_nodes_ptr + b), T)  # unvalidated (GPU) input: stay in the row
     rows = tl.arange(0, T_PAD)
     words = tl.arange(0, W_PAD)
     one = tl.full([W_PAD], 1, tl.int64)
@@ -22,7 +24,7 @@ def _tree_mask_kernel(parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W,
     depth = tl.zeros([T_PAD], tl.int32)
     for i in range(1, n):
         p = tl.load(parents_ptr + b * T + i)
-        sel = rows == p
+        sel = rows == p  # an invalid parent selects no row: the node gets only its own bit
         parent_row = tl.sum(tl.where(sel[:, None], tile, 0), axis=0)  # exactly one row selected
         own = tl.where(words == i // 64, one << (i % 64), 0)  # bit 63 lands on the sign bit
         tile = tl.where((rows == i)[:, None], (parent_row | own)[None, :], tile)
@@ -40,8 +42,8 @@ def build_tree_mask(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[tor
     A custom op, so torch.compile treats the launch as one opaque call."""
     B, T = parents.shape
     W = (T + 63) // 64
-    parents = parents.to(torch.int32).contiguous()
-    num_nodes = num_nodes.to(torch.int32).contiguous()
+    parents = index32(parents)
+    num_nodes = index32(num_nodes)
     mask = torch.empty(B, T, W, dtype=torch.int64, device=parents.device)
     depth = torch.empty(B, T, dtype=torch.int32, device=parents.device)
     _tree_mask_kernel[(B,)](parents, num_nodes, mask, depth, T, W,

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._index import index32
+
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -28,14 +30,17 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, lo, hi, c, node, row_ok,
-            d, d_ok, Hkv, D, bs, MB, T, W, qk_scale,
+            d, d_ok, Hkv, D, NB, bs, MB, T, W, qk_scale,
             IS_TREE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
             UPCAST: tl.constexpr):
     """Online softmax of the query tile q [BM, BD] over key positions [lo, hi)."""
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < hi
+        pos_ok = pos < hi  # hi <= MB * bs, so the block table read stays in row b
+        # Block ids are clamped like the reference's gather: unvalidated (GPU) bad ids give
+        # wrong numbers, never an out-of-bounds read.
         blk = tl.load(bt_ptr + b * MB + pos // bs, mask=pos_ok, other=0).to(tl.int64)
+        blk = tl.minimum(tl.maximum(blk, 0), NB - 1)
         kv_off = ((blk * bs + pos % bs) * Hkv + kvh)[:, None] * D + d[None, :]
         kv_ok = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)
@@ -62,15 +67,17 @@ def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, lo, hi, c, n
 @triton.jit
 def _tree_verify_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cache_lens_ptr, num_nodes_ptr, tm_ptr,
                         out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-                        T, Hq, Hkv, D, bs, MB, W, CHUNK,
+                        T, Hq, Hkv, D, NB, bs, MB, S, W, CHUNK,
                         GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
                         UPCAST: tl.constexpr):
     b = (tl.program_id(0) // Hkv).to(tl.int64)
     kvh = tl.program_id(0) % Hkv
     split = tl.program_id(2)
-    c = tl.load(cache_lens_ptr + b)
-    n = tl.load(num_nodes_ptr + b)
+    # int64, and bounded to the S = MB * bs positions the block table row maps: unvalidated
+    # (GPU) cache_lens / num_nodes can neither overflow c + n nor index past the row.
+    n = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + b), 0), T)
+    c = tl.minimum(tl.maximum(tl.load(cache_lens_ptr + b).to(tl.int64), 0), S)
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (node, head in group) pairs
     node = rows // GROUP
@@ -89,10 +96,11 @@ def _tree_verify_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cache_lens_ptr, num_nodes_p
     hi = lo + CHUNK
     m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh,
                             lo, tl.minimum(hi, c), c, node, row_ok, d, d_ok,
-                            Hkv, D, bs, MB, T, W, qk_scale, False, BLOCK_N, PREC, UPCAST)
+                            Hkv, D, NB, bs, MB, T, W, qk_scale, False, BLOCK_N, PREC, UPCAST)
     m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh,
-                            tl.maximum(lo, c), tl.minimum(hi, c + n), c, node, row_ok, d, d_ok,
-                            Hkv, D, bs, MB, T, W, qk_scale, True, BLOCK_N, PREC, UPCAST)
+                            tl.maximum(lo, c), tl.minimum(tl.minimum(hi, c + n), S), c, node,
+                            row_ok, d, d_ok, Hkv, D, NB, bs, MB, T, W, qk_scale, True, BLOCK_N,
+                            PREC, UPCAST)
 
     io_ok = (rows < T * GROUP)[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -155,7 +163,7 @@ def tree_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     A custom op, so torch.compile treats the launches as one opaque call."""
     B, T, Hq, D = q.shape
-    _, bs, Hkv, _ = k_cache.shape
+    NB, bs, Hkv, _ = k_cache.shape
     MB = block_table.shape[1]
     W = tree_mask.shape[2]
     group = Hq // Hkv
@@ -171,10 +179,9 @@ def tree_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         part_acc = part_ml = out  # unused
     _tree_verify_kernel[(B * Hkv, m_blocks, splits)](
-        q, k_cache, v_cache, block_table.to(torch.int32).contiguous(),
-        cache_lens.to(torch.int32).contiguous(), num_nodes.to(torch.int32).contiguous(),
+        q, k_cache, v_cache, index32(block_table), index32(cache_lens), index32(num_nodes),
         tree_mask.contiguous().view(torch.int32), out, part_acc, part_ml,
-        float(sm_scale) * math.log2(math.e), T, Hq, Hkv, D, bs, MB, 2 * W, chunk,
+        float(sm_scale) * math.log2(math.e), T, Hq, Hkv, D, NB, bs, MB, MB * bs, 2 * W, chunk,
         GROUP=group, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16, num_warps=num_warps)
