@@ -156,7 +156,7 @@ def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft
         def target(node):
             logits = target_logits[b, node]
             if torch.isnan(logits).any() or not torch.isfinite(logits.max()):
-                raise ValueError(f"target_logits[{b}, {node}] has NaN, +inf or only -inf entries")
+                raise RuntimeError(f"target_logits[{b}, {node}] has NaN, +inf or only -inf entries")
             return process_logits(logits, temperature[b], top_k[b], top_p[b])
 
         u, path, toks = 0, [0], []
