@@ -36,8 +36,8 @@ def tiny_model(vocab_size=32, layer_scale=0.005, seed=0):
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() > 1 else 0.1))
         for layer in model.layers:
-            layer.wo.weight.mul_(layer_scale)
-            layer.w2.weight.mul_(layer_scale)
+            layer.attention.wo.weight.mul_(layer_scale)
+            layer.feed_forward.w2.weight.mul_(layer_scale)
     return model
 
 
@@ -49,8 +49,8 @@ def oracle_head(model):
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.weight[:, :dim] = torch.eye(dim)
-        head.layer.wo.weight.zero_()
-        head.layer.w2.weight.zero_()
+        head.layer.attention.wo.weight.zero_()
+        head.layer.feed_forward.w2.weight.zero_()
     return head
 
 

@@ -97,7 +97,7 @@ def test_converted_dir_round_trips_as_hf_checkpoint(default_dir, tmp_path):
     sd = load_file(os.path.join(default_dir, "model.safetensors"))
     torch.testing.assert_close(model.tok_embeddings.weight, sd["model.embed_tokens.weight"], rtol=0, atol=0)
     q, k, v = (sd[f"model.layers.3.self_attn.{x}_proj.weight"] for x in "qkv")
-    torch.testing.assert_close(model.layers[3].wqkv.weight, torch.cat([q, k, v]), rtol=0, atol=0)
+    torch.testing.assert_close(model.layers[3].attention.wqkv.weight, torch.cat([q, k, v]), rtol=0, atol=0)
 
     copy = tmp_path / "copy"
     shutil.copytree(default_dir, copy, ignore=shutil.ignore_patterns("*.safetensors"))

@@ -150,6 +150,23 @@ def test_prefill_matches_decode_and_features():
     torch.testing.assert_close(model.lm_head(pre.hidden[0][-1]), pre.logits[0], **TOL)
 
 
+def test_flat_block_parameter_names_still_load():
+    """TransformerBlock's parameters before it had Attention / FeedForward submodules (layers.i.wqkv,
+    .wo, .w13, .w2: what loader.py builds, older training checkpoints) load into the nested ones."""
+    model = random_model(tiny_args())
+    nested = {"attention.wqkv": "wqkv", "attention.wo": "wo", "feed_forward.w13": "w13", "feed_forward.w2": "w2"}
+    flat = {}
+    for name, p in model.state_dict().items():
+        for new, old in nested.items():
+            name = name.replace(f".{new}.", f".{old}.")
+        flat[name] = p.clone()
+    assert "layers.1.wqkv.bias" in flat and "layers.1.w13.weight" in flat
+    fresh = Transformer(model.args)
+    fresh.load_state_dict(flat, strict=True)
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
 # ------------------------------------------------------------------ transformers, tiny models
 HF_CONFIGS = {
     "llama-llama3-rope": ("LlamaConfig", dict(rope_scaling=dict(

@@ -1,5 +1,6 @@
 """PagedKVCache: a static, paged KV cache with one fixed range of blocks per request slot."""
 import torch
+from torch import Tensor
 
 
 class PagedKVCache:
@@ -10,8 +11,9 @@ class PagedKVCache:
     slot s lives at physical row block_table[s, p // block_size] * block_size + p % block_size.
     """
 
-    def __init__(self, n_layers, n_kv_heads, head_dim, num_slots, max_seq_len, block_size=16,
-                 dtype=torch.float32, device="cpu", shuffle_blocks=False):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_slots: int, max_seq_len: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 shuffle_blocks: bool = False):
         blocks_per_slot = -(-max_seq_len // block_size)
         num_blocks = num_slots * blocks_per_slot
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
@@ -24,7 +26,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.capacity = blocks_per_slot * block_size
 
-    def rows(self, slots, positions, valid=None):
+    def rows(self, slots: Tensor, positions: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Physical rows of k[l].view(-1, Hkv, D) for logical positions; computed once per step.
 
         slots: int [B]; positions: int [B, T]; valid: bool [B, T] or None (all valid).
@@ -41,8 +43,8 @@ class PagedKVCache:
         picked = valid.flatten().nonzero().flatten()
         return rows[picked], picked
 
-    def write_rows(self, layer, rows, picked, k, v):
-        """k, v: [B, T, Hkv, D] -> the rows of `rows(...)` in layer `layer`."""
+    def write_rows(self, layer: int, rows: Tensor, picked: Tensor | None, k: Tensor, v: Tensor) -> None:
+        """k, v: [B, T, Hkv, D] -> the rows of `rows(...)` (rows, picked as it returned) in layer `layer`."""
         k = k.reshape(-1, *k.shape[2:])
         v = v.reshape(-1, *v.shape[2:])
         if picked is not None:
@@ -50,10 +52,12 @@ class PagedKVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, rows, k.to(self.k.dtype))
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, rows, v.to(self.v.dtype))
 
-    def write(self, layer, slots, positions, k, v, valid=None):
-        """slots int [B]; positions int [B, T] logical; k, v [B, T, Hkv, D]; valid bool [B, T] (skip padding)."""
+    def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor,
+              valid: Tensor | None = None) -> None:
+        """slots: int [B]; positions: int [B, T] logical; k, v: [B, T, Hkv, D]; valid: bool [B, T] (skip padding)."""
         rows, picked = self.rows(slots, positions, valid)
         self.write_rows(layer, rows, picked, k, v)
 
-    def reset(self, slots):
+    def reset(self, slots: Tensor) -> None:
+        """slots: int [B] -> their cache_lens = 0 (the old K/V is overwritten as they refill)."""
         self.cache_lens[slots] = 0

@@ -60,7 +60,7 @@ class ModelArgs:
         )
 
 
-def _reject_unsupported(cfg: dict):
+def _reject_unsupported(cfg: dict) -> None:
     """Options that change the math in ways this model does not implement."""
     problems = []
     if cfg.get("hidden_act", "silu") != "silu":

@@ -14,8 +14,10 @@ vocabulary, mapped back with d2t offsets: target_id = draft_id + d2t[draft_id].
 Both share the target's token embedding. At draft depths >= 2 the "feature" is the head's
 own output at the parent node (dim wide, so EAGLE-3 skips fc), exactly as upstream.
 
-Attention runs over the head's own 1-layer PagedKVCache through tree_verify; the caller
-(drafting.HeadTree, engine) says which tree nodes are new.
+The decoder layer is model.TransformerBlock (its Attention and FeedForward); attention runs
+over the head's own 1-layer PagedKVCache through tree_verify; the caller (drafting.HeadTree,
+engine) says which tree nodes are new. Parameters keep our names (layer.attention.wqkv, ...);
+checkpoints use the official EAGLE names (official_state_dict / load_head map them).
 """
 import json
 import os
@@ -24,21 +26,27 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch import nn
-
-import specdec_kernels.ops as ops
+from torch import Tensor, nn
 
 from .cache import PagedKVCache
 from .config import ModelArgs
 from .errors import HeadMismatchError, ModelLoadError
-from .model import RMSNorm, TransformerBlock, inv_freq, rotate_half
+from .model import (
+    Attention,
+    AttentionMetadata,
+    RMSNorm,
+    Transformer,
+    TransformerBlock,
+    inv_freq,
+    rope_cos_sin,
+)
 
-# official EAGLE key of each fused / renamed parameter of our layer
+# official EAGLE key of each fused / renamed parameter of our layer (a submodule of self.layer)
 _LAYER_KEYS = {
-    "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "wo": ("self_attn.o_proj",),
-    "w13": ("mlp.gate_proj", "mlp.up_proj"),
-    "w2": ("mlp.down_proj",),
+    "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.wo": ("self_attn.o_proj",),
+    "feed_forward.w13": ("mlp.gate_proj", "mlp.up_proj"),
+    "feed_forward.w2": ("mlp.down_proj",),
     "ffn_norm": ("post_attention_layernorm",),
 }
 
@@ -54,7 +62,10 @@ def eagle3_feature_layers(n_layers: int) -> tuple[int, int, int]:
 
 
 class EagleHead(nn.Module):
-    def __init__(self, args: ModelArgs, target, version: int = 2, draft_vocab_size: int | None = None,
+    """An EAGLE-1/2/3 draft head over `target` (see the module docstring); args: the target's
+    ModelArgs with n_layers = 1 (the head's own decoder layer)."""
+
+    def __init__(self, args: ModelArgs, target: Transformer, version: int = 2, draft_vocab_size: int | None = None,
                  fc_bias: bool = False, feature_layers: tuple[int, ...] | None = None):
         super().__init__()
         if version not in (1, 2, 3):
@@ -69,7 +80,7 @@ class EagleHead(nn.Module):
             self.feature_layers = ()
         else:
             self.fc = nn.Linear(3 * dim, dim, bias=fc_bias)
-            self.layer.wqkv = nn.Linear(2 * dim, self.layer.wqkv.out_features, bias=args.attention_bias)
+            self.layer.attention = Attention(args, in_dim=2 * dim)  # reads [embedding; feature]
             self.layer.attention_norm = RMSNorm(dim, args.norm_eps)  # official input_layernorm
             self.hidden_norm = RMSNorm(dim, args.norm_eps)
             self.norm = RMSNorm(dim, args.norm_eps)
@@ -87,12 +98,13 @@ class EagleHead(nn.Module):
         check_head_matches(self, target)
 
     @property
-    def target(self):
+    def target(self) -> Transformer:
         return self._target[0]
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def random(cls, target, version: int = 2, seed: int = 0, draft_vocab_size: int | None = None):
+    def random(cls, target: Transformer, version: int = 2, seed: int = 0,
+               draft_vocab_size: int | None = None) -> "EagleHead":
         """A freshly initialised head (transformers' init: N(0, 0.02) weights, unit norms),
         same dtype / device as the target; acceptance will be near zero."""
         args = replace(target.args, n_layers=1)
@@ -109,8 +121,8 @@ class EagleHead(nn.Module):
         w = target.tok_embeddings.weight
         return head.to(dtype=w.dtype, device=w.device)
 
-    def set_draft_vocab(self, target_ids: torch.Tensor):
-        """Restricts drafting to target_ids (distinct ids; sorted here) -> self. For an
+    def set_draft_vocab(self, target_ids: Tensor) -> "EagleHead":
+        """Restricts drafting to target_ids: long [N] (distinct ids; sorted here) -> self. For an
         EAGLE-1/2 head (the lm_head is the target's) this needs no retraining."""
         ids = torch.unique(target_ids.long().cpu())
         if self.version == 3:
@@ -122,7 +134,7 @@ class EagleHead(nn.Module):
         self.d2t = (ids - torch.arange(ids.numel())).to(self.fc.weight.device) if reduced else None
         return self.refresh_draft_vocab()
 
-    def refresh_draft_vocab(self):
+    def refresh_draft_vocab(self) -> "EagleHead":
         """Re-derives draft_lm_weight from d2t (after d2t was loaded or set) -> self."""
         if self.version < 3:
             w = self.target.output.weight.detach()
@@ -130,60 +142,41 @@ class EagleHead(nn.Module):
                 w[self.draft_to_target(torch.arange(self.draft_vocab_size, device=w.device))].clone()
         return self
 
-    def new_cache(self, num_slots, max_seq_len, block_size=16) -> PagedKVCache:
+    def new_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16) -> PagedKVCache:
         w = self.fc.weight
         return PagedKVCache(1, self.args.n_kv_heads, self.args.head_dim, num_slots, max_seq_len,
                             block_size, w.dtype, w.device)
 
     # ------------------------------------------------------------------ compute
-    def select_features(self, hidden, aux):
+    def select_features(self, hidden: Tensor | list[Tensor], aux: Tensor | list[Tensor]):
         """The target features this head reads: final-norm hidden (EAGLE-1/2) or the fused
         layer outputs (EAGLE-3); works on [.., dim] tensors and per-request lists alike."""
         return aux if self.version == 3 else hidden
 
-    def forward(self, tokens, features, cache: PagedKVCache, slots, cache_lens, start: int,
-                num_nodes, tree_mask, positions):
+    def forward(self, tokens: Tensor, features: Tensor, cache: PagedKVCache, slots: Tensor, cache_lens: Tensor,
+                start: int, num_nodes: Tensor, tree_mask: Tensor, positions: Tensor) -> Tensor:
         """Run the head on M new nodes of a tree over its cache.
 
         tokens: long [B, M] (target ids); features: [B, M, F] (target features, or the head's
-        own hidden [.., dim] at the parent); the new rows are tree nodes start..start+M-1 of
-        a tree of T = tree_mask.shape[1] nodes whose node i sits at logical position
-        cache_lens[b] + i (earlier nodes are already cached); num_nodes: int32 [B] (rows at
-        or past it are padding: not written, output zero); positions: RoPE positions [B, M].
-        Returns hidden [B, M, dim] (the predicted feature of the next position).
+        own hidden [B, M, dim] at the parent); slots: int [B]; the new rows are tree nodes
+        start..start+M-1 of a tree of T nodes (tree_mask: int64 [B, T, ceil(T / 64)]) whose
+        node i sits at logical position cache_lens[b] + i (cache_lens: int32 [B]; earlier nodes
+        are already cached); num_nodes: int32 [B] (rows at or past it are padding: not written,
+        attention output zero); positions: int [B, M], the RoPE positions.
+        Returns hidden: [B, M, dim] (the predicted feature of the next position).
         """
-        B, M = tokens.shape
-        T = tree_mask.shape[1]
-        layer = self.layer
         emb = self.target.tok_embeddings(tokens)
+        cos, sin = self._rope(positions)
+        meta = AttentionMetadata.verify(cache, slots, cache_lens, num_nodes, tree_mask, start, tokens.shape[1])
         if self.version < 3:
             x = self.fc(torch.cat((emb, features), dim=-1))
-            attn_in = x
-        else:
-            x = self.fc(features) if features.shape[-1] != self.args.dim else features
-            attn_in = torch.cat((layer.attention_norm(emb), self.hidden_norm(x)), dim=-1)
+            return self.layer(x, cos, sin, meta)  # attention_norm is the identity
+        x = self.fc(features) if features.shape[-1] != self.args.dim else features
+        attn_in = torch.cat((self.layer.attention_norm(emb), self.hidden_norm(x)), dim=-1)
+        return self.layer(x, cos, sin, meta, attn_in=attn_in)
 
-        q, k, v = layer.wqkv(attn_in).split(layer.qkv_sizes, dim=-1)
-        q = q.view(B, M, layer.n_heads, layer.head_dim)
-        k = k.view(B, M, layer.n_kv_heads, layer.head_dim)
-        v = v.view(B, M, layer.n_kv_heads, layer.head_dim)
-        cos, sin = self._rope(positions)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-
-        node = start + torch.arange(M, device=tokens.device)[None]
-        rows, picked = cache.rows(slots, cache_lens[:, None] + node, node < num_nodes[:, None])
-        cache.write_rows(0, rows, picked, k, v)
-        q_tree = q.new_zeros(B, T, layer.n_heads, layer.head_dim)  # earlier nodes: no query
-        q_tree[:, start:start + M] = q
-        attn = ops.tree_verify(q_tree, cache.k[0], cache.v[0], cache.block_table[slots], cache_lens,
-                               num_nodes, tree_mask, self.scale)[:, start:start + M]
-        x = x + layer.wo(attn.reshape(B, M, -1))
-        gate, up = layer.w13(layer.ffn_norm(x)).chunk(2, dim=-1)
-        return x + layer.w2(F.silu(gate) * up)
-
-    def draft_logits(self, hidden):
-        """hidden [..., dim] -> float32 logits [..., Vd] over the draft vocabulary (what
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [..., dim] -> float32 logits [..., Vd] over the draft vocabulary (what
         drafting ranks; draft_to_target maps its ids). Vd = V without a draft vocabulary."""
         if self.version == 3:
             return self.lm_head(self.norm(hidden)).float()
@@ -191,39 +184,38 @@ class EagleHead(nn.Module):
             return self.target.lm_head(hidden).float()
         return F.linear(hidden, self.draft_lm_weight).float()
 
-    def draft_to_target(self, draft_ids):
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids (long, any shape) -> target ids."""
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
-    def scatter_to_target(self, draft_values, fill: float):
-        """[..., Vd] values over draft ids -> [..., V] over target ids, `fill` elsewhere."""
+    def scatter_to_target(self, draft_values: Tensor, fill: float) -> Tensor:
+        """draft_values: [..., Vd] over draft ids -> [..., V] over target ids, `fill` elsewhere."""
         if self.d2t is None or (self.draft_vocab_size == self.args.vocab_size and not self.d2t.any()):
             return draft_values
         out = draft_values.new_full((*draft_values.shape[:-1], self.args.vocab_size), fill)
         ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=draft_values.device))
         return out.index_copy_(-1, ids, draft_values)
 
-    def logits(self, hidden):
-        """hidden [..., dim] -> float32 logits [..., V] over *target* ids (tokens outside
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [..., dim] -> float32 logits [..., V] over *target* ids (tokens outside
         the draft vocabulary get -inf, so they are never drafted)."""
         return self.scatter_to_target(self.draft_logits(hidden), float("-inf"))
 
-    def _rope(self, positions):
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.fc.weight.dtype
-        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions: int [B, M] -> cos, sin: [B, M, 1, D] in the head's dtype."""
+        return rope_cos_sin(self.inv_freq, positions, self.fc.weight.dtype)
 
     # ------------------------------------------------------------------ checkpoints
-    def official_state_dict(self) -> dict:
+    def official_state_dict(self) -> dict[str, Tensor]:
         """Weights under the official EAGLE names (unfused q/k/v and gate/up)."""
         prefix = "midlayer." if self.version == 3 else "layers.0."
         sd = {"fc.weight": self.fc.weight}
         if self.fc.bias is not None:
             sd["fc.bias"] = self.fc.bias
         for ours, theirs in _LAYER_KEYS.items():
-            mod = getattr(self.layer, ours)
-            sizes = self.layer.qkv_sizes if ours == "wqkv" else [mod.weight.shape[0] // len(theirs)] * len(theirs)
+            mod = self.layer.get_submodule(ours)
+            sizes = self.layer.attention.qkv_sizes if ours == "attention.wqkv" else \
+                [mod.weight.shape[0] // len(theirs)] * len(theirs)
             for name, w in zip(theirs, mod.weight.split(sizes)):
                 sd[f"{prefix}{name}.weight"] = w
             if getattr(mod, "bias", None) is not None:
@@ -238,7 +230,7 @@ class EagleHead(nn.Module):
                        "d2t": self.d2t, "t2d": self._t2d()})
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
-    def _t2d(self):
+    def _t2d(self) -> Tensor:
         t2d = torch.zeros(self.args.vocab_size, dtype=torch.bool)
         t2d[torch.arange(self.draft_vocab_size) + self.d2t.cpu()] = True
         return t2d
@@ -262,7 +254,7 @@ class EagleHead(nn.Module):
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
         return cfg
 
-    def save(self, path: str):
+    def save(self, path: str) -> None:
         """Our own format: config.json + model.safetensors with the official key names."""
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
@@ -270,7 +262,7 @@ class EagleHead(nn.Module):
         save_file(self.official_state_dict(), os.path.join(path, "model.safetensors"))
 
 
-def check_head_matches(head: EagleHead, target):
+def check_head_matches(head: EagleHead, target: Transformer) -> None:
     t, h = target.args, head.args
     if h.dim != t.dim:
         raise HeadMismatchError(f"EAGLE head hidden size {h.dim} does not match the target's {t.dim}")
@@ -284,7 +276,7 @@ def check_head_matches(head: EagleHead, target):
 
 
 # ---------------------------------------------------------------------- loading
-def load_head(path: str, target) -> EagleHead:
+def load_head(path: str, target: Transformer) -> EagleHead:
     """An EAGLE head directory: config.json plus model.safetensors / *.safetensors /
     pytorch_model.bin, in the official EAGLE(-3) layout or ours (same names)."""
     cfg_path = os.path.join(path, "config.json")
@@ -313,7 +305,7 @@ def load_head(path: str, target) -> EagleHead:
     return head.to(dtype=w.dtype, device=w.device).eval()
 
 
-def _read_weights(path: str) -> dict:
+def _read_weights(path: str) -> dict[str, Tensor]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if files:
         sd = {}

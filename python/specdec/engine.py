@@ -21,7 +21,9 @@ are already contiguous and compaction would be the identity. That re-run is defe
 the next drafting step (_head_catch_up), so plain steps of adaptive mode cost no head work.
 """
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +35,11 @@ from .drafting import BatchSampling, TreeSpec
 from .errors import InvalidRequestError
 from .stats import Stats, timed
 
+if TYPE_CHECKING:
+    from .eagle import EagleHead
+    from .model import Transformer
+    from .tokenizer import Tokenizer
+
 
 @dataclass
 class SamplingParams:
@@ -41,10 +48,10 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # None: drawn from torch's global RNG
     max_new_tokens: int = 128
-    stop: tuple = ()  # stop strings (need a tokenizer)
+    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer)
     ignore_eos: bool = False
 
-    def validate(self):
+    def validate(self) -> None:
         t = self.temperature
         if not isinstance(t, (int, float)) or not (t >= 0 and t < float("inf")):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
@@ -58,7 +65,7 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    prompt_ids: list
+    prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     id: object = None  # defaults to the request's index in the submitted list
     prompt: str | None = None  # the original text, echoed in the Result
@@ -68,8 +75,8 @@ class Request:
 class Result:
     request_id: object
     prompt: str | None
-    prompt_ids: list
-    token_ids: list  # generated tokens (an EOS that ended the request included)
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens (an EOS that ended the request included)
     text: str | None  # decoded (stop string cut off); None without a tokenizer
     finish_reason: str  # "eos" | "stop" | "length"
     stats: Stats
@@ -100,8 +107,9 @@ class Engine:
     positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
     measured here, which takes a few forwards; pass one to make the choices reproducible)."""
 
-    def __init__(self, model, tokenizer=None, head=None, tree=TreeSpec.DEFAULT, batch_size: int = 1,
-                 max_seq_len: int | None = None, block_size: int = 16, eos_token_ids=None,
+    def __init__(self, model: "Transformer", tokenizer: "Tokenizer | None" = None, head: "EagleHead | None" = None,
+                 tree: TreeSpec | str = TreeSpec.DEFAULT, batch_size: int = 1, max_seq_len: int | None = None,
+                 block_size: int = 16, eos_token_ids: Iterable[int] | None = None,
                  cost_model: CostModel | None = None):
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.tree = TreeSpec.parse(tree) if isinstance(tree, str) else tree
@@ -132,7 +140,8 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
 
     # ------------------------------------------------------------------ public API
-    def generate(self, requests, progress=None):
+    def generate(self, requests: Iterable[Request | Sequence[int]],
+                 progress: Callable[[Result], None] | None = None) -> tuple[list[Result], Stats]:
         """Runs every request to completion -> (list[Result] in input order, aggregate Stats).
         progress: optional callable(result) invoked as each request finishes."""
         run = self.stream(requests, on_finish=progress)
@@ -140,7 +149,8 @@ class Engine:
             pass
         return run.results, run.stats
 
-    def stream(self, requests, on_finish=None) -> "Run":
+    def stream(self, requests: Iterable[Request | Sequence[int]],
+               on_finish: Callable[[Result], None] | None = None) -> "Run":
         """An iterator of (request_id, new_token_ids) as tokens are accepted; once it is
         exhausted, .results and .stats hold the outputs. Requests are validated here."""
         requests = [r if isinstance(r, Request) else Request(list(r)) for r in requests]
@@ -150,7 +160,7 @@ class Engine:
             self.validate(r)
         return Run(self, requests, on_finish)
 
-    def validate(self, req: Request):
+    def validate(self, req: Request) -> None:
         req.params.validate()
         n, V = len(req.prompt_ids), self.model.args.vocab_size
         if n == 0:
@@ -164,7 +174,7 @@ class Engine:
             raise InvalidRequestError(f"request {req.id!r}: stop strings need a tokenizer")
 
     # ------------------------------------------------------------------ one batch step
-    def prefill(self, seqs: list, all_stats: list):
+    def prefill(self, seqs: list[_Seq], all_stats: list[Stats]) -> torch.Tensor:
         """Prompt forward of newly admitted requests, first token on a one-node tree, and
         the head's pass over the prompt. Returns the first tokens (long [B])."""
         slots = self._slots(seqs)
@@ -179,7 +189,7 @@ class Engine:
                 self._head_prefill(seqs, slots, prompts, first, out)
         return first
 
-    def step(self, seqs: list, all_stats: list):
+    def step(self, seqs: list[_Seq], all_stats: list[Stats]) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft / verify / accept round. Returns (output_tokens int32 [B, T] -1 padded,
         num_accepted int32 [B])."""
         slots = self._slots(seqs)

@@ -4,47 +4,99 @@ Numerics follow transformers' LlamaForCausalLM op for op (RMSNorm in float32, Ro
 the same inverse frequencies, SwiGLU), so greedy decoding reproduces it token for token.
 q/k/v and gate/up projections are fused into single matmuls by the loader.
 
+Modules as in gpt-fast: TransformerBlock = RMSNorm + Attention + RMSNorm + FeedForward
+(the EAGLE head reuses them). Each forward builds one AttentionMetadata (where the new
+K/V go in the paged cache, what they attend to) that every layer's Attention reads.
 prefill() runs whole prompts with causal SDPA; forward() verifies a batch of draft trees
-(a plain decode step is the one-node tree) with torch.ops.specdec.tree_verify in every layer.
+(a plain decode step is the one-node tree) with the tree_verify op in every layer.
+Shapes: B requests, T tokens (tree nodes) each, Hq / Hkv query / KV heads of size D, V vocab.
 """
 import math
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-import specdec_kernels  # noqa: F401  (registers torch.ops.specdec)
+from specdec_kernels import ops  # importing specdec_kernels registers torch.ops.specdec
 
 from .cache import PagedKVCache
 from .config import ModelArgs
 
+# A custom attention (q [B, T, Hq, D], k, v [B, T, Hkv, D]) -> [B, T, Hq, D], used instead of
+# AttentionMetadata by differentiable training passes (train.head_train_forward).
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
 
 class PrefillOut(NamedTuple):
-    logits: torch.Tensor  # [B, V] at the last prompt position
-    hidden: list  # per request [S_b, dim], final-norm output
-    aux: list  # per request [S_b, len(feature_layers) * dim], pre-norm outputs of feature_layers
+    logits: Tensor  # [B, V] float32 at the last prompt position
+    hidden: list[Tensor]  # per request [S_b, dim], final-norm output
+    aux: list[Tensor]  # per request [S_b, len(feature_layers) * dim], pre-norm outputs of feature_layers
 
 
 class VerifyOut(NamedTuple):
-    logits: torch.Tensor  # [B, T, V] float32
-    hidden: torch.Tensor  # [B, T, dim], final-norm output
-    aux: torch.Tensor  # [B, T, len(feature_layers) * dim]
+    logits: Tensor  # [B, T, V] float32
+    hidden: Tensor  # [B, T, dim], final-norm output
+    aux: Tensor  # [B, T, len(feature_layers) * dim]
+
+
+@dataclass
+class AttentionMetadata:
+    """How one forward's new tokens meet the paged KV cache; built once per forward, read by
+    every layer's Attention (which writes its layer's K/V at `rows`, then attends).
+
+    mode "prefill": one whole prompt (B = 1) at positions 0..S-1; causal SDPA over itself.
+    mode "verify": the new tokens are tree nodes start..start+M-1 of padded trees of
+    T = tree_mask.shape[1] nodes, node i at logical position cache_lens[b] + i (nodes before
+    `start` already cached); tree_verify over the cache (a plain decode step is T = 1).
+    """
+
+    mode: Literal["prefill", "verify"]
+    cache: PagedKVCache
+    rows: Tensor  # int64 [N]: physical cache rows of the new tokens (PagedKVCache.rows)
+    picked: Tensor | None = None  # int64 [N]: the valid entries of the flattened [B * M] new tokens; None: all
+    block_table: Tensor | None = None  # verify: int32 [B, blocks_per_slot], the batch's slots
+    cache_lens: Tensor | None = None  # verify: int32 [B], logical position of tree node 0
+    num_nodes: Tensor | None = None  # verify: int32 [B]; nodes at or past it are padding (not written)
+    tree_mask: Tensor | None = None  # verify: int64 [B, T, ceil(T / 64)] from build_tree_mask
+    start: int = 0  # verify: tree node of the first new token
+
+    @classmethod
+    def prefill(cls, cache: PagedKVCache, slots: Tensor, positions: Tensor) -> "AttentionMetadata":
+        """slots: int [1]; positions: int [1, S] = 0..S-1 (the whole prompt)."""
+        rows, _ = cache.rows(slots, positions)
+        return cls("prefill", cache, rows)
+
+    @classmethod
+    def verify(cls, cache: PagedKVCache, slots: Tensor, cache_lens: Tensor, num_nodes: Tensor,
+               tree_mask: Tensor, start: int = 0, num_new: int | None = None) -> "AttentionMetadata":
+        """slots: int [B]; cache_lens, num_nodes: int32 [B]; tree_mask: int64 [B, T, ceil(T / 64)];
+        the new tokens are nodes start..start+num_new-1 (default: start..T-1)."""
+        T = tree_mask.shape[1]
+        M = T - start if num_new is None else num_new
+        node = start + torch.arange(M, device=cache_lens.device)[None]
+        valid = None if start == 0 and M == 1 else node < num_nodes[:, None]  # num_nodes >= 1 always
+        rows, picked = cache.rows(slots, cache_lens[:, None] + node, valid)
+        return cls("verify", cache, rows, picked, cache.block_table[slots], cache_lens, num_nodes,
+                   tree_mask, start)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., dim] -> [..., dim], normalised in float32."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
-def inv_freq(args: ModelArgs) -> torch.Tensor:
+def inv_freq(args: ModelArgs) -> Tensor:
     """RoPE inverse frequencies [D / 2], with transformers' "linear" / "llama3" scaling."""
     dim = args.head_dim
     freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -64,43 +116,132 @@ def inv_freq(args: ModelArgs) -> torch.Tensor:
     return freq
 
 
-def rotate_half(x):
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """inv_freq: [D / 2]; positions: int [B, T] -> cos, sin: [B, T, 1, D] in dtype (as transformers)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+
+
+def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class TransformerBlock(nn.Module):
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, T, H, D]; cos, sin: [B, T, 1, D] -> x rotated, [B, T, H, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(gate) * up), gate and up from one fused w13 = [gate; up]."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.qkv_sizes = [args.n_heads * args.head_dim] + [args.n_kv_heads * args.head_dim] * 2
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.wqkv = nn.Linear(args.dim, sum(self.qkv_sizes), bias=args.attention_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
-    def forward(self, x, cos, sin, attend):
-        """x: [B, T, dim]; cos, sin: [B, T, 1, D]; attend(q, k, v) -> [B, T, Hq, D]."""
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [B, T, dim] -> [B, T, dim]."""
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection (optional bias), RoPE, GQA attention over the paged KV cache, wo.
+
+    Layer `layer_idx` of the cache holds its K/V. in_dim: the input width (dim; EAGLE-3's
+    head attends over [embedding; feature], 2 * dim)."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int = 0, in_dim: int | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.qkv_sizes = [args.n_heads * args.head_dim] + [args.n_kv_heads * args.head_dim] * 2
+        self.scale = args.head_dim ** -0.5
+        self.wqkv = nn.Linear(in_dim or args.dim, sum(self.qkv_sizes), bias=args.attention_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [B, T, in_dim]; cos, sin: [B, T, 1, D] -> q: [B, T, Hq, D] and k, v: [B, T, Hkv, D],
+        q and k rotated."""
         B, T, _ = x.shape
-        q, k, v = self.wqkv(self.attention_norm(x)).split(self.qkv_sizes, dim=-1)
+        q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        x = x + self.wo(attend(q, k, v).reshape(B, T, -1))
-        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        """Writes k, v into the cache rows of `meta`, then attends.
+
+        q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] -> [B, T, Hq, D]."""
+        meta.cache.write_rows(self.layer_idx, meta.rows, meta.picked, k, v)
+        if meta.mode == "prefill":
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads)
+            return out.transpose(1, 2)
+        B, M = q.shape[:2]
+        T, start = meta.tree_mask.shape[1], meta.start
+        if M != T:  # a head adding nodes start..start+M-1: earlier nodes ask no query
+            q_tree = q.new_zeros(B, T, self.n_heads, self.head_dim)
+            q_tree[:, start:start + M] = q
+            q = q_tree
+        out = ops.tree_verify(q, meta.cache.k[self.layer_idx], meta.cache.v[self.layer_idx], meta.block_table,
+                              meta.cache_lens, meta.num_nodes, meta.tree_mask, self.scale)
+        return out if M == T else out[:, start:start + M]
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata | Attend) -> Tensor:
+        """x: [B, T, in_dim]; cos, sin: [B, T, 1, D]; meta: this forward's AttentionMetadata, or a
+        custom attention (q, k, v) -> [B, T, Hq, D] (differentiable training passes) -> [B, T, dim]."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out = self.attend(q, k, v, meta) if isinstance(meta, AttentionMetadata) else meta(q, k, v)
+        return self.wo(out.reshape(B, T, -1))
+
+
+# Parameters of TransformerBlock before it had Attention / FeedForward submodules (still
+# accepted by load_state_dict: loader.py and older training checkpoints use them).
+_FLAT_BLOCK_NAMES = {"wqkv": "attention.wqkv", "wo": "attention.wo", "w13": "feed_forward.w13",
+                     "w2": "feed_forward.w2"}
+
+
+class TransformerBlock(nn.Module):
+    """x + Attention(attention_norm(x)), then + FeedForward(ffn_norm(.)) (pre-norm residuals)."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer_idx)
+        self.feed_forward = FeedForward(args)
+        self._register_load_state_dict_pre_hook(_nest_flat_block_names)  # as gpt-fast does
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata | Attend,
+                attn_in: Tensor | None = None) -> Tensor:
+        """x: [B, T, dim]; cos, sin: [B, T, 1, D]; meta: see Attention.forward; attn_in: the
+        attention's input when it is not attention_norm(x) (EAGLE-3: [B, T, 2 * dim]) -> [B, T, dim]."""
+        attn_in = self.attention_norm(x) if attn_in is None else attn_in
+        h = x + self.attention(attn_in, cos, sin, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _nest_flat_block_names(state_dict: dict, prefix: str, *_) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        name, _, kind = key[len(prefix):].partition(".")
+        if name in _FLAT_BLOCK_NAMES and kind in ("weight", "bias"):
+            state_dict[f"{prefix}{_FLAT_BLOCK_NAMES[name]}.{kind}"] = state_dict.pop(key)
 
 
 class Transformer(nn.Module):
+    """The target model: embeddings, args.n_layers TransformerBlocks, final norm, lm_head."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
@@ -108,54 +249,44 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq(args), persistent=False)
         self.scale = args.head_dim ** -0.5
 
-    def new_cache(self, num_slots, max_seq_len, block_size=16, dtype=None, device=None,
-                  shuffle_blocks=False) -> PagedKVCache:
+    def new_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None, shuffle_blocks: bool = False) -> PagedKVCache:
         """Callers keep sequences within args.max_position_embeddings (the Mistral window, say)."""
         w = self.tok_embeddings.weight
         return PagedKVCache(self.args.n_layers, self.args.n_kv_heads, self.args.head_dim, num_slots,
                             max_seq_len, block_size, dtype or w.dtype, device or w.device,
                             shuffle_blocks)
 
-    def lm_head(self, hidden):
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """hidden: [..., dim] -> logits [..., V] in the model's dtype."""
         return self.output(hidden)
 
-    def rope(self, positions):
-        """positions int [B, T] -> cos, sin [B, T, 1, D] (computed as transformers does)."""
-        freqs = positions[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.tok_embeddings.weight.dtype
-        return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions: int [B, T] -> cos, sin: [B, T, 1, D] (computed as transformers does)."""
+        return rope_cos_sin(self.inv_freq, positions, self.tok_embeddings.weight.dtype)
 
-    def _layers(self, x, cos, sin, attend_in_layer, feature_layers):
+    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
+                feature_layers: Sequence[int]) -> tuple[Tensor, list[Tensor]]:
         """Runs every block; returns (final-norm hidden, [pre-norm outputs of feature_layers])."""
         feats = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attend_in_layer(i))
+            x = layer(x, cos, sin, meta)
             if i in feature_layers:
                 feats.append(x)
         return self.norm(x), feats
 
     @torch.no_grad()
-    def prefill(self, tokens, cache: PagedKVCache, slots, feature_layers=()) -> PrefillOut:
-        """tokens: list of LongTensor [S_b] (whole prompts) -> KV at positions 0..S_b-1, cache_lens = S_b."""
+    def prefill(self, tokens: Sequence[Tensor], cache: PagedKVCache, slots: Tensor,
+                feature_layers: Sequence[int] = ()) -> PrefillOut:
+        """tokens: per request long [S_b] (whole prompts); slots: int [B] -> KV at positions
+        0..S_b-1, cache_lens = S_b."""
         logits, hidden, aux = [], [], []
         for b, prompt in enumerate(tokens):
             slot = slots[b : b + 1]
             pos = torch.arange(len(prompt), device=prompt.device)[None]  # [1, S]
-            rows, _ = cache.rows(slot, pos)
+            meta = AttentionMetadata.prefill(cache, slot, pos)
             cos, sin = self.rope(pos)
-
-            def attend_in_layer(layer):
-                def attend(q, k, v):
-                    cache.write_rows(layer, rows, None, k, v)
-                    out = F.scaled_dot_product_attention(
-                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                        scale=self.scale, enable_gqa=self.args.n_heads != self.args.n_kv_heads)
-                    return out.transpose(1, 2)
-                return attend
-
-            h, feats = self._layers(self.tok_embeddings(prompt[None]), cos, sin, attend_in_layer,
-                                    feature_layers)
+            h, feats = self._layers(self.tok_embeddings(prompt[None]), cos, sin, meta, feature_layers)
             cache.cache_lens[slot] = len(prompt)
             logits.append(self.lm_head(h[0, -1]).float())
             hidden.append(h[0])
@@ -163,26 +294,16 @@ class Transformer(nn.Module):
         return PrefillOut(torch.stack(logits), hidden, aux)
 
     @torch.no_grad()
-    def forward(self, tokens, cache: PagedKVCache, slots, num_nodes, tree_mask, depth,
-                feature_layers=()) -> VerifyOut:
-        """Verify draft trees: tokens [B, T] (node 0 = last emitted token, not yet cached);
-        num_nodes int32 [B]; tree_mask, depth from build_tree_mask. Node i is written at
-        cache_lens + i and rotated at cache_lens + depth[i]; cache_lens is not advanced."""
+    def forward(self, tokens: Tensor, cache: PagedKVCache, slots: Tensor, num_nodes: Tensor,
+                tree_mask: Tensor, depth: Tensor, feature_layers: Sequence[int] = ()) -> VerifyOut:
+        """Verify draft trees: tokens: long [B, T] (node 0 = last emitted token, not yet cached);
+        slots: int [B]; num_nodes: int32 [B]; tree_mask: int64 [B, T, ceil(T / 64)], depth: int32
+        [B, T] from build_tree_mask. Node i is written at cache_lens + i and rotated at
+        cache_lens + depth[i]; cache_lens is not advanced."""
         B, T = tokens.shape
         cache_lens = cache.cache_lens[slots]
-        block_table = cache.block_table[slots]
-        node = torch.arange(T, device=tokens.device)[None]
-        valid = None if T == 1 else node < num_nodes[:, None]  # num_nodes >= 1 always
-        rows, picked = cache.rows(slots, cache_lens[:, None] + node, valid)
+        meta = AttentionMetadata.verify(cache, slots, cache_lens, num_nodes, tree_mask)
         cos, sin = self.rope(cache_lens[:, None] + depth)
-
-        def attend_in_layer(layer):
-            def attend(q, k, v):
-                cache.write_rows(layer, rows, picked, k, v)
-                return torch.ops.specdec.tree_verify(q, cache.k[layer], cache.v[layer], block_table,
-                                                     cache_lens, num_nodes, tree_mask, self.scale)
-            return attend
-
-        h, feats = self._layers(self.tok_embeddings(tokens), cos, sin, attend_in_layer, feature_layers)
+        h, feats = self._layers(self.tok_embeddings(tokens), cos, sin, meta, feature_layers)
         aux = torch.cat(feats, dim=-1) if feats else h.new_empty(B, T, 0)
         return VerifyOut(self.lm_head(h).float(), h, aux)
