@@ -144,26 +144,29 @@ def test_batch_size_larger_than_memory(model):
 
 
 @pytest.mark.parametrize("tree", ["dynamic:100,100,10000", "chain:100000", "adaptive:100,100,10000",
-                                  "chain:96", "dynamic:4,4,96"])
+                                  "chain:256", "dynamic:4,4,256"])
 def test_tree_must_fit_the_cache(model, monkeypatch, tree):
-    """Checked at construction, before adaptive mode measures its costs over such trees."""
+    """Checked at construction, before adaptive mode measures its costs over such trees: the
+    model's context (tiny_model: 256 positions) holds the tree and at least a 1-token prompt.
+    (These used to fail at the first request, saying it was longer than a cache of a
+    negative number of positions.)"""
     monkeypatch.setattr(adaptive.CostModel, "measure", lambda *a, **k: pytest.fail("measured"))
-    with pytest.raises(InvalidTreeSpecError, match=r"nodes, more than the cache allows \(at most 95"):
+    with pytest.raises(InvalidTreeSpecError, match=r"nodes, more than the cache allows \(at most 255"):
         Engine(model, head=oracle_head(model), tree=tree, max_seq_len=96)
 
 
 def test_largest_tree_that_fits(model):
-    eng = Engine(model, head=oracle_head(model), tree="chain:22", max_seq_len=24)
+    """chain:254 (255 nodes) leaves one position of the 256 for the prompt; the smaller cache
+    is what a too long prompt is told about."""
+    eng = Engine(model, head=oracle_head(model), tree="chain:254", max_seq_len=24)
     (r,), _ = eng.generate([Request([1], SamplingParams(max_new_tokens=200))])
-    assert r.finish_reason == "length" and len(r.token_ids) == 24  # prompt + tokens = cache + 1
-    with pytest.raises(InvalidTreeSpecError, match="at most 23"):
-        Engine(model, head=oracle_head(model), tree="chain:23", max_seq_len=24)
-
-
-def test_tree_bounds_from_the_model(model):
-    """The model's context bounds the tree too (tiny_model: 256 positions)."""
-    with pytest.raises(InvalidTreeSpecError, match="at most 255"):
-        Engine(model, head=oracle_head(model), tree="chain:300", max_seq_len=1000)
+    assert r.finish_reason == "length" and len(r.token_ids) == 1  # prompt + tokens = cache + 1
+    with pytest.raises(InvalidRequestError, match=r"longer than the cache \(1 positions per request: the "
+                                                  r"model's context of 256 positions less 255 for the verified tree"):
+        eng.generate([Request([1, 2])])
+    eng = Engine(model, head=oracle_head(model), tree="chain:30", max_seq_len=24)  # larger than max_seq_len
+    (r,), _ = eng.generate([Request([1], SamplingParams(max_new_tokens=200))])
+    assert r.finish_reason == "length" and len(r.token_ids) == 24
 
 
 @pytest.mark.parametrize("spec", ["dynamic:8,2,4", "adaptive:2,9,8", "dynamic:3,8,8"])

@@ -75,11 +75,12 @@ class TreeSpec:
 
     def check_fits(self, max_nodes: int, draft_vocab_size: int | None = None):
         """Bounds that depend on the engine: the padded tree (num_nodes, root included) must
-        leave room in a request's cache (at most max_nodes), and a dynamic level cannot pick
-        more tokens than the head's draft vocabulary has."""
+        leave room for a prompt in the model's context (at most max_nodes), and a dynamic level
+        cannot pick more tokens than the head's draft vocabulary has."""
         if self.num_nodes > max_nodes:
             raise InvalidTreeSpecError(f"tree {self} has {self.num_nodes} nodes, more than the cache allows "
-                                       f"(at most {max_nodes}: max_seq_len and the model's context bound it)")
+                                       f"(at most {max_nodes}: the model's context of {max_nodes + 1} "
+                                       "positions must also hold the prompt)")
         if self.kind != "chain" and draft_vocab_size is not None and self.topk > draft_vocab_size:
             raise InvalidTreeSpecError(f"{self}: TOPK must be <= the head's draft vocabulary "
                                        f"({draft_vocab_size} tokens)")

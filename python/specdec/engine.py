@@ -130,8 +130,8 @@ class Engine:
         # Padded tree nodes are addressed (not written) past a request's last position, so
         # both caches keep T positions of slack beyond `capacity`, the per-request limit.
         T = self.tree.num_nodes if head is not None else 1
-        if head is not None:  # a tree must leave at least one position for the prompt
-            self.tree.check_fits(min(max_seq_len, max_pos) - 1, head.draft_vocab_size)
+        if head is not None:  # the model's context holds the tree and at least a 1-token prompt
+            self.tree.check_fits(max_pos - 1, head.draft_vocab_size)
         cache_len = min(max_seq_len + T, max_pos)
         capacity = min(max_seq_len, -(-cache_len // block_size) * block_size - T)
         head_len = capacity + max(T, self.tree.head_nodes)
@@ -141,6 +141,7 @@ class Engine:
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise InvalidRequestError(f"cannot allocate the KV cache for batch_size {batch_size}: {e}") from None
         self.capacity = min(max_seq_len, self.cache.capacity - T)
+        self.max_seq_len, self.tree_slack = max_seq_len, T
         self.feature_layers = head.feature_layers if head is not None else ()
         if head is not None:
             # plus the head's scratch draft tree past its last committed position
@@ -162,9 +163,9 @@ class Engine:
         """InvalidRequestError when the caches plus one step's logits cannot fit in the memory
         left on the device (before allocating them: a huge batch_size would swap or be killed)."""
         a, itemsize = self.model.args, self.model.tok_embeddings.weight.element_size()
-        rounded = lambda n: -(-n // block_size) * block_size  # noqa: E731
+        blocks = -(-cache_len // block_size) * a.n_layers + -(-head_len // block_size)
         per_position = 2 * a.n_kv_heads * a.head_dim * itemsize  # k and v
-        need = batch_size * per_position * (a.n_layers * rounded(cache_len) + rounded(head_len))
+        need = batch_size * per_position * block_size * blocks
         need += 2 * batch_size * T * a.vocab_size * 4  # the verify logits, float32, and the sampler's copy
         free = _free_memory(self.device)
         if free is not None and need > free:
@@ -224,8 +225,11 @@ class Engine:
         if n == 0:
             raise InvalidRequestError(f"request {req.id!r}: empty prompt")
         if n > self.capacity:
+            why = "" if self.capacity >= self.max_seq_len else (
+                f": the model's context of {self.model.args.max_position_embeddings} positions less "
+                f"{self.tree_slack} for the verified tree")
             raise InvalidRequestError(f"request {req.id!r}: prompt of {n} tokens is longer than the "
-                                      f"cache ({self.capacity} positions per request)")
+                                      f"cache ({self.capacity} positions per request{why})")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
             raise InvalidRequestError(f"request {req.id!r}: prompt token ids must be in [0, {V})")
         if req.params.stop and self.tokenizer is None:
@@ -323,7 +327,7 @@ class Engine:
                 sp.top_p, uniforms)
         try:
             return ops.tree_rejection_sample(*args)
-        except (RuntimeError, ValueError) as batch_error:
+        except (RuntimeError, ValueError):
             rows, failed = [], {}
             for b in range(len(seqs)):
                 try:
@@ -332,7 +336,7 @@ class Engine:
                     failed[b] = str(e).strip().splitlines()[0]
                     rows.append(None)
             if not failed:
-                raise batch_error  # not a per-request problem
+                raise  # not a per-request problem: the batched call's error
         T = logits.shape[1]
         for b, msg in failed.items():
             seqs[b].finish_reason = "error"
