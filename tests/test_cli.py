@@ -394,7 +394,7 @@ def test_crash_keeps_finished_results(tiny, tmp_path, monkeypatch):
 
 
 def test_output_path_checked_before_loading(tiny, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("specdec.cli.load_model_from_args", lambda args: pytest.fail("loaded the model"))
+    monkeypatch.setattr("specdec.apps.generate.load_model_from_args", lambda args: pytest.fail("loaded the model"))
     with pytest.raises(SystemExit) as exc:
         tiny_generate(tiny, "--prompt", "w1", "--output", str(tmp_path / "missing" / "o.jsonl"))
     assert exc.value.code == 2
