@@ -1,4 +1,4 @@
-"""specdec.bench on a tiny random Llama shared by transformers and our loader: JSON fields,
+"""specdec.apps.bench on a tiny random Llama shared by transformers and our loader: JSON fields,
 speedup bookkeeping, greedy exactness of every method against our plain loop, the plots."""
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from specdec.bench import plot, run_bench, summary
+from specdec.apps.bench import plot, run_bench, summary
 from specdec.eagle import EagleHead
 from specdec.loader import load_checkpoint_dir
 

@@ -1,6 +1,8 @@
 """The `specdec generate` command: in-process through main([...]) and once as a subprocess."""
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -132,3 +134,267 @@ def test_subprocess_entry_point():
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "mean acceptance length" in proc.stdout
+
+
+# ---------------------------------------------------------------------- issue 10: a tiny model
+def write_tiny_checkpoint(path, vocab=64):
+    """A random 2-layer Llama checkpoint dir with a word-level tokenizer (words w0 .. w61, no
+    chat template, no EOS): the CLI loads it in a fraction of a second."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from specdec.config import ModelArgs
+    from specdec.loader import _required_weights
+
+    os.makedirs(path, exist_ok=True)
+    config = {"model_type": "llama", "vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+              "max_position_embeddings": 256, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+    args = ModelArgs.from_hf_config(config)
+    rows = {"q_proj": 32, "k_proj": 16, "v_proj": 16, "o_proj": 32, "gate_proj": 64, "up_proj": 64,
+            "down_proj": 32, "embed_tokens": vocab, "lm_head": vocab}
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for name in _required_weights(args):
+        kind = name.split(".")[-2]
+        if "norm" in kind:
+            weights[name] = torch.ones(32)
+        else:
+            weights[name] = torch.randn(rows[kind], 64 if kind == "down_proj" else 32, generator=gen) * 0.3
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    words = ["<unk>", "<s>"] + [f"w{i}" for i in range(vocab - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+TINY = ["--no-chat-template", "--max-new-tokens", "6", "--method", "plain"]
+
+
+def tiny_generate(tiny, *argv):
+    main(["generate", "--model", tiny, *TINY, *argv])
+
+
+def copy_tiny(tiny, dst, drop=(), corrupt=None):
+    shutil.copytree(tiny, dst)
+    for name in drop:
+        os.remove(os.path.join(dst, name))
+    if corrupt:
+        with open(os.path.join(dst, corrupt), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(dst, corrupt)) // 2)
+    return str(dst)
+
+
+def gguf_file(t, name, content):
+    (t / name).write_bytes(content)
+    return str(t / name)
+
+
+def head_dir(t, tiny, config=None, weights=None):
+    from specdec.eagle import EagleHead
+    from specdec.loader import load_model
+
+    model, _ = load_model(tiny)
+    d = t / "head"
+    EagleHead.random(model).save(str(d))
+    if callable(config):
+        config = json.dumps(config(json.loads((d / "config.json").read_text())))
+    if config is not None:
+        (d / "config.json").write_text(config)
+    if weights is not None:
+        (d / "model.safetensors").write_bytes(weights)
+    return str(d)
+
+
+def default_gguf_head(n):
+    from specdec.loader import default_model_path
+
+    with open(default_model_path(), "rb") as f:
+        return f.read(n)
+
+
+# case -> (flags, a phrase the one error line must hold); the tiny model unless --model says otherwise
+FILE_AND_BOUND_ERRORS = {
+    "empty gguf": (lambda t, m: ["--model", gguf_file(t, "e.gguf", b"")], "not a readable GGUF file"),
+    "corrupt gguf": (lambda t, m: ["--model", gguf_file(t, "c.gguf", b"GGUF" + bytes(range(256)) * 4)],
+                     "not a readable GGUF file"),
+    "truncated gguf": (lambda t, m: ["--model", gguf_file(t, "t.gguf", default_gguf_head(1 << 20))],
+                       "not a readable GGUF file"),
+    "corrupt safetensors": (lambda t, m: ["--model", copy_tiny(m, t / "m", corrupt="model.safetensors")],
+                            "cannot read"),
+    "no tokenizer files": (lambda t, m: ["--model", copy_tiny(m, t / "m", drop=["tokenizer.json"])],
+                           "has no tokenizer.json"),
+    "corrupt tokenizer": (lambda t, m: ["--model", copy_tiny(m, t / "m", corrupt="tokenizer.json")],
+                          "cannot load the tokenizer"),
+    "non-UTF-8 prompts file": (lambda t, m: ["--prompts", write_bytes(t / "p.jsonl", b'{"prompt": "\xff\xfe"}\n')],
+                               "not UTF-8"),
+    "huge seed": (lambda t, m: ["--prompt", "w1", "--seed", str(2**70)], "seed must be an integer"),
+    "head with bad config.json": (lambda t, m: ["--method", "eagle", "--head", head_dir(t, m, config="{oops")],
+                                  "cannot read config.json"),
+    "head with a config of wrong types": (
+        lambda t, m: ["--method", "eagle", "--head", head_dir(t, m, config=lambda c: {**c, "num_attention_heads": "four"})],
+        "invalid config.json"),
+    "head with corrupt safetensors": (
+        lambda t, m: ["--method", "eagle", "--head", head_dir(t, m, weights=b"\x10" + bytes(100))],
+        "cannot read its weights"),
+    "output into a missing directory": (lambda t, m: ["--output", str(t / "nope" / "out.jsonl")], "does not exist"),
+    "output onto a directory": (lambda t, m: ["--output", str(t)], "is a directory"),
+    "huge batch size": (lambda t, m: ["--batch-size", "100000000"], "GiB"),
+    "non-string prompt": (lambda t, m: ["--prompts", write(t / "p.jsonl", '{"prompt": 123}\n')],
+                          "request 0: the prompt must be a string, got int 123"),
+    "dynamic tree larger than the cache": (lambda t, m: ["--method", "eagle", "--tree", "dynamic:100,100,10000"],
+                                           "10000 nodes, more than the cache allows (at most 255"),
+    "chain larger than the cache": (lambda t, m: ["--method", "eagle", "--tree", "chain:100000"],
+                                    "100001 nodes, more than the cache allows"),
+    "adaptive tree larger than the cache": (lambda t, m: ["--method", "eagle", "--tree", "adaptive:100,100,10000"],
+                                            "10000 nodes, more than the cache allows"),
+}
+
+
+def write_bytes(path, data):
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", list(FILE_AND_BOUND_ERRORS))
+def test_bad_files_and_bounds_are_one_error_line(case, tiny, tmp_path, capsys, monkeypatch):
+    """Issue 10 item 5: these were tracebacks (exit 1) or misleading messages."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))  # GGUF conversions land here
+    monkeypatch.setattr("specdec.adaptive.CostModel.measure", lambda *a, **k: pytest.fail("measured"))
+    flags, phrase = FILE_AND_BOUND_ERRORS[case]
+    argv = flags(tmp_path, tiny)
+    if "--prompt" not in argv and "--prompts" not in argv:
+        argv = ["--prompt", "w1 w2 w3", *argv]
+    with pytest.raises(SystemExit) as exc:
+        tiny_generate(tiny, *argv)  # the case's own flags win
+    _, err = capsys.readouterr()
+    assert exc.value.code == 2, err
+    lines = [line for line in err.strip().splitlines() if "warning" not in line]
+    assert len(lines) == 1 and lines[0].startswith("specdec: error: "), err
+    assert phrase in lines[0] and "Traceback" not in err and "longer than the cache" not in err
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_failing_prompts_finish_alone(tiny, tmp_path, capsys):
+    """Invalid prompts among valid ones: reported together first (stderr line + row with
+    finish_reason "error"), the others complete as they would alone, exit code 1."""
+    good = ["w1 w2 w3", "w4 w5"]
+    lines = [{"prompt": good[0]}, {"prompt": 123}, {"prompt": "  "}, {"prompt": " ".join(["w7"] * 40)},
+             {"prompt": good[1]}]
+    prompts = write(tmp_path / "p.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        tiny_generate(tiny, "--prompts", prompts, "--output", str(out), "--max-seq-len", "32", "--batch-size", "2")
+    assert exc.value.code == 1
+    _, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if "specdec: error" in line]
+    assert [e.split(":")[2].strip() for e in errors] == ["request 1", "request 2", "request 3"]
+    # on a line of its own: the bar is cleared (\r) or ended (\n) first, never written onto
+    assert all(err[m.start() - 1] in "\r\n" for m in re.finditer("specdec: error", err) if m.start()), err
+    assert "Traceback" not in err
+    rows = read_rows(out)
+    assert [r["id"] for r in rows[:3]] == [1, 2, 3]  # before any generated row
+    assert all(r["finish_reason"] == "error" and r["error"] and r["token_ids"] == [] for r in rows[:3])
+    assert "must be a string" in rows[0]["error"] and "empty prompt" in rows[1]["error"]
+    assert "longer than the cache" in rows[2]["error"]
+    done = {r["id"]: r for r in rows[3:]}
+    assert sorted(done) == [0, 4] and all(r["finish_reason"] == "length" and r["error"] is None
+                                          for r in done.values())
+    alone = tmp_path / "alone.jsonl"
+    tiny_generate(tiny, "--prompts", write(tmp_path / "g.jsonl", "".join(json.dumps({"prompt": p}) + "\n"
+                                                                        for p in good)),
+                  "--output", str(alone), "--max-seq-len", "32", "--batch-size", "2")
+    assert [r["token_ids"] for r in sorted(read_rows(alone), key=lambda r: r["id"])] == \
+        [done[0]["token_ids"], done[4]["token_ids"]]
+
+
+def poison_forward(monkeypatch, at_call, action):
+    """Runs action(out, slots) on the target's `at_call`-th verify forward (0-based)."""
+    from specdec.model import Transformer
+
+    calls = [0]
+    forward = Transformer.forward
+
+    def patched(self, tokens, cache, slots, *args, **kw):
+        out = forward(self, tokens, cache, slots, *args, **kw)
+        if calls[0] == at_call:
+            action(out, slots)
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(Transformer, "forward", patched)
+
+
+def test_nan_logits_fail_one_request(tiny, tmp_path, capsys, monkeypatch):
+    prompts = write(tmp_path / "p.jsonl", "".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(3)))
+    clean = tmp_path / "clean.jsonl"
+    tiny_generate(tiny, "--prompts", prompts, "--output", str(clean), "--batch-size", "3")
+
+    def nan_in_slot_1(out, slots):
+        out.logits[slots == 1] = float("nan")
+
+    poison_forward(monkeypatch, 2, nan_in_slot_1)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        tiny_generate(tiny, "--prompts", prompts, "--output", str(out), "--batch-size", "3")
+    assert exc.value.code == 1
+    _, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if "specdec: error" in line]
+    assert len(errors) == 1 and errors[0].startswith("specdec: error: request 1: sampling failed:"), err
+    rows = {r["id"]: r for r in read_rows(out)}
+    assert rows[1]["finish_reason"] == "error" and "NaN" in rows[1]["error"]
+    expected = {r["id"]: r for r in read_rows(clean)}
+    for i in (0, 2):
+        assert rows[i]["token_ids"] == expected[i]["token_ids"] and rows[i]["finish_reason"] == "length"
+
+
+def test_ctrl_c_keeps_finished_results(tiny, tmp_path, capsys, monkeypatch):
+    """Results are written (flushed) as requests finish; Ctrl-C exits 130 with them kept."""
+    prompts = write(tmp_path / "p.jsonl", "".join(json.dumps({"prompt": f"w{i} w3"}) + "\n" for i in range(3)))
+    out = tmp_path / "out.jsonl"
+    seen = []
+
+    def interrupt(out_, slots):
+        seen.append(read_rows(out))  # already on disk while the run goes on
+        raise KeyboardInterrupt
+
+    poison_forward(monkeypatch, 7, interrupt)  # batch 1, 6 tokens: request 0 ends at call 4
+    with pytest.raises(SystemExit) as exc:
+        tiny_generate(tiny, "--prompts", prompts, "--output", str(out))
+    assert exc.value.code == 130
+    _, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == f"specdec: interrupted: 1 of 3 requests finished (in {out})"
+    assert "Traceback" not in err
+    (row,) = read_rows(out)
+    assert seen == [[row]] and row["id"] == 0 and len(row["token_ids"]) == 6
+
+
+def test_crash_keeps_finished_results(tiny, tmp_path, monkeypatch):
+    prompts = write(tmp_path / "p.jsonl", "".join(json.dumps({"prompt": f"w{i} w3"}) + "\n" for i in range(3)))
+    out = tmp_path / "out.jsonl"
+
+    def crash(out_, slots):
+        raise RuntimeError("boom")
+
+    poison_forward(monkeypatch, 7, crash)
+    with pytest.raises(RuntimeError, match="boom"):
+        tiny_generate(tiny, "--prompts", prompts, "--output", str(out))
+    assert [r["id"] for r in read_rows(out)] == [0]
+
+
+def test_output_path_checked_before_loading(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("specdec.apps.generate.load_model_from_args", lambda args: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as exc:
+        tiny_generate(tiny, "--prompt", "w1", "--output", str(tmp_path / "missing" / "o.jsonl"))
+    assert exc.value.code == 2

@@ -1,4 +1,4 @@
-"""specdec.train: self-distillation shards, the differentiable head pass, training, resume, loading."""
+"""specdec.apps.train: self-distillation shards, the differentiable head pass, training, resume, loading."""
 import json
 import os
 import types
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import specdec_kernels.ops as ops
+from specdec.apps.train import (generate_batch, generate_shards, head_train_forward, load_shards,
+                                make_batch, train_head)
 from specdec.config import ModelArgs
 from specdec.eagle import EagleHead, load_head
 from specdec.errors import InvalidRequestError
 from specdec.model import Transformer
-from specdec.train import (generate_batch, generate_shards, head_train_forward, load_shards, make_batch,
-                           train_head)
 
 EOS = 0
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19]]
@@ -201,7 +201,7 @@ def test_shipped_head_drafts_for_the_default_model():
 def test_prompt_datasets():
     """MT-bench first turns (evaluation) and ShareGPT first turns (training) never overlap;
     the ShareGPT list is prefix-stable in n (data runs can be extended)."""
-    from specdec.data import mtbench_prompts, sharegpt_prompts
+    from specdec.apps.data import mtbench_prompts, sharegpt_prompts
 
     mt = mtbench_prompts()
     assert len(mt) == 80 and all(isinstance(p, str) and p for p in mt)

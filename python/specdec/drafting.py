@@ -67,6 +67,23 @@ class TreeSpec:
             raise InvalidTreeSpecError(f"tree depth must be >= 1, got {self}")
         if self.kind != "chain" and (self.topk < 1 or self.total < 2):
             raise InvalidTreeSpecError(f"{self.kind} trees need TOPK >= 1 and TOTAL >= 2, got {self}")
+        # a TOTAL-node tree holds TOTAL - 1 drafts: deeper levels or more frontier nodes per
+        # level than that never make it into the tree, they only cost drafting time
+        if self.kind != "chain" and max(self.depth, self.topk) > self.total - 1:
+            raise InvalidTreeSpecError(f"{self} keeps TOTAL - 1 = {self.total - 1} drafts: DEPTH and TOPK "
+                                       "must be <= TOTAL - 1")
+
+    def check_fits(self, max_nodes: int, draft_vocab_size: int | None = None):
+        """Bounds that depend on the engine: the padded tree (num_nodes, root included) must
+        leave room for a prompt in the model's context (at most max_nodes), and a dynamic level
+        cannot pick more tokens than the head's draft vocabulary has."""
+        if self.num_nodes > max_nodes:
+            raise InvalidTreeSpecError(f"tree {self} has {self.num_nodes} nodes, more than the cache allows "
+                                       f"(at most {max_nodes}: the model's context of {max_nodes + 1} "
+                                       "positions must also hold the prompt)")
+        if self.kind != "chain" and draft_vocab_size is not None and self.topk > draft_vocab_size:
+            raise InvalidTreeSpecError(f"{self}: TOPK must be <= the head's draft vocabulary "
+                                       f"({draft_vocab_size} tokens)")
 
     @property
     def num_nodes(self) -> int:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .cache import PagedKVCache
 from .config import ModelArgs
-from .errors import HeadMismatchError, ModelLoadError
+from .errors import HeadMismatchError, ModelLoadError, SpecdecError
 from .model import (
     Attention,
     AttentionMetadata,
@@ -282,9 +282,24 @@ def load_head(path: str, target: Transformer) -> EagleHead:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"EAGLE head {path!r}: no config.json (expected an EAGLE head directory)")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise ModelLoadError(f"EAGLE head {path!r}: cannot read config.json: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"EAGLE head {path!r}: config.json must hold a JSON object")
     sd = _read_weights(path)
+    try:
+        return _build_head(path, cfg, sd, target)
+    except SpecdecError:
+        raise
+    except (TypeError, ValueError, AttributeError, IndexError) as e:  # config values of the wrong type
+        raise ModelLoadError(f"EAGLE head {path!r}: invalid config.json or weights: "
+                             f"{type(e).__name__}: {e}") from None
+
+
+def _build_head(path: str, cfg: dict, sd: dict, target) -> EagleHead:
     version = 3 if any(k.startswith("midlayer.") for k in sd) else 2
     try:
         args = ModelArgs.from_hf_config({**cfg, "model_type": cfg.get("model_type", "llama"),
@@ -306,6 +321,15 @@ def load_head(path: str, target: Transformer) -> EagleHead:
 
 
 def _read_weights(path: str) -> dict[str, Tensor]:
+    try:
+        return _read_weight_files(path)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # SafetensorError, unpickling errors, OSError: corrupt or truncated files
+        raise ModelLoadError(f"EAGLE head {path!r}: cannot read its weights: {type(e).__name__}: {e}") from None
+
+
+def _read_weight_files(path: str) -> dict[str, Tensor]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if files:
         sd = {}

@@ -20,6 +20,8 @@ head's own predicted features), so committing it is advancing cache_lens — the
 are already contiguous and compaction would be the identity. That re-run is deferred to
 the next drafting step (_head_catch_up), so plain steps of adaptive mode cost no head work.
 """
+import operator
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +33,8 @@ import specdec_kernels.ops as ops
 
 from . import drafting
 from .adaptive import CostModel, Policy
-from .drafting import BatchSampling, TreeSpec
-from .errors import InvalidRequestError
+from .drafting import BatchSampling, Draft, TreeSpec
+from .errors import InvalidRequestError, InvalidTreeSpecError
 from .stats import Stats, timed
 
 if TYPE_CHECKING:
@@ -61,6 +63,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        # the range torch.Generator.manual_seed accepts
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
 
 @dataclass
@@ -77,9 +82,10 @@ class Result:
     prompt: str | None
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens (an EOS that ended the request included)
-    text: str | None  # decoded (stop string cut off); None without a tokenizer
-    finish_reason: str  # "eos" | "stop" | "length"
+    text: str | None  # decoded (stop string cut off); None without a tokenizer or tokens
+    finish_reason: str  # "eos" | "stop" | "length" | "error"
     stats: Stats
+    error: str | None = None  # finish_reason "error": what went wrong (this request only)
 
 
 @dataclass
@@ -96,6 +102,7 @@ class _Seq:
     tokens: list = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
+    error: str | None = None
 
 
 class Engine:
@@ -105,7 +112,10 @@ class Engine:
     head: an EagleHead or None; tree: TreeSpec or its string form ("chain:4",
     "dynamic:5,8,32", "adaptive"); batch_size: requests decoded together; max_seq_len: cache
     positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
-    measured here, which takes a few forwards; pass one to make the choices reproducible)."""
+    measured here, which takes a few forwards; pass one to make the choices reproducible).
+
+    Every argument is checked here, before any work (a tree that cannot fit the cache, caches
+    larger than the memory left): InvalidTreeSpecError / InvalidRequestError."""
 
     def __init__(self, model: "Transformer", tokenizer: "Tokenizer | None" = None, head: "EagleHead | None" = None,
                  tree: TreeSpec | str = TreeSpec.DEFAULT, batch_size: int = 1, max_seq_len: int | None = None,
@@ -113,6 +123,14 @@ class Engine:
                  cost_model: CostModel | None = None):
         self.model, self.tokenizer, self.head = model, tokenizer, head
         self.tree = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+        if not isinstance(self.tree, TreeSpec):
+            raise InvalidTreeSpecError(f"tree must be a TreeSpec or its string form, got {tree!r}")
+        self.tree.validate()
+        for name, value in (("batch_size", batch_size), ("block_size", block_size), ("max_seq_len", max_seq_len)):
+            if value is None and name == "max_seq_len":
+                continue  # the default
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
         self.batch_size = batch_size
         self.device = model.tok_embeddings.weight.device
         max_pos = model.args.max_position_embeddings
@@ -120,12 +138,22 @@ class Engine:
         # Padded tree nodes are addressed (not written) past a request's last position, so
         # both caches keep T positions of slack beyond `capacity`, the per-request limit.
         T = self.tree.num_nodes if head is not None else 1
-        self.cache = model.new_cache(batch_size, min(max_seq_len + T, max_pos), block_size)
+        if head is not None:  # the model's context holds the tree and at least a 1-token prompt
+            self.tree.check_fits(max_pos - 1, head.draft_vocab_size)
+        cache_len = min(max_seq_len + T, max_pos)
+        capacity = min(max_seq_len, -(-cache_len // block_size) * block_size - T)
+        head_len = capacity + max(T, self.tree.head_nodes)
+        self._check_memory(batch_size, block_size, cache_len, head_len if head is not None else 0, T)
+        try:
+            self.cache = model.new_cache(batch_size, cache_len, block_size)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise InvalidRequestError(f"cannot allocate the KV cache for batch_size {batch_size}: {e}") from None
         self.capacity = min(max_seq_len, self.cache.capacity - T)
+        self.max_seq_len, self.tree_slack = max_seq_len, T
         self.feature_layers = head.feature_layers if head is not None else ()
         if head is not None:
             # plus the head's scratch draft tree past its last committed position
-            self.head_cache = head.new_cache(batch_size, self.capacity + max(T, self.tree.head_nodes), block_size)
+            self.head_cache = head.new_cache(batch_size, head_len, block_size)
             # the head's output at each slot's last committed position: what drafting starts from
             self.draft_hidden = torch.zeros(batch_size, model.args.dim, dtype=head.fc.weight.dtype,
                                             device=self.device)
@@ -139,11 +167,27 @@ class Engine:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
 
+    def _check_memory(self, batch_size, block_size, cache_len, head_len, T):
+        """InvalidRequestError when the caches plus one step's logits cannot fit in the memory
+        left on the device (before allocating them: a huge batch_size would swap or be killed)."""
+        a, itemsize = self.model.args, self.model.tok_embeddings.weight.element_size()
+        blocks = -(-cache_len // block_size) * a.n_layers + -(-head_len // block_size)
+        per_position = 2 * a.n_kv_heads * a.head_dim * itemsize  # k and v
+        need = batch_size * per_position * block_size * blocks
+        need += 2 * batch_size * T * a.vocab_size * 4  # the verify logits, float32, and the sampler's copy
+        free = _free_memory(self.device)
+        if free is not None and need > free:
+            raise InvalidRequestError(
+                f"batch_size {batch_size} needs about {need / 2**30:.1f} GiB for its KV caches "
+                f"({cache_len} positions per request) and logits, more than the {free / 2**30:.1f} GiB "
+                f"free on {self.device}: lower batch_size or max_seq_len")
+
     # ------------------------------------------------------------------ public API
     def generate(self, requests: Iterable[Request | Sequence[int]],
                  progress: Callable[[Result], None] | None = None) -> tuple[list[Result], Stats]:
         """Runs every request to completion -> (list[Result] in input order, aggregate Stats).
-        progress: optional callable(result) invoked as each request finishes."""
+        progress: optional callable(result) invoked as each request finishes (for an invalid
+        request: at the start, before any work)."""
         run = self.stream(requests, on_finish=progress)
         for _ in run:
             pass
@@ -152,22 +196,50 @@ class Engine:
     def stream(self, requests: Iterable[Request | Sequence[int]],
                on_finish: Callable[[Result], None] | None = None) -> "Run":
         """An iterator of (request_id, new_token_ids) as tokens are accepted; once it is
-        exhausted, .results and .stats hold the outputs. Requests are validated here."""
+        exhausted, .results and .stats hold the outputs.
+
+        Requests are validated here, all of them: an invalid one finishes at once with
+        finish_reason "error" (its Result's .error says why) and the others run; when no
+        request is valid, InvalidRequestError names every problem. A request that fails while
+        it runs (e.g. NaN logits) also finishes alone with finish_reason "error"."""
         requests = [r if isinstance(r, Request) else Request(list(r)) for r in requests]
+        rejected = {}
         for i, r in enumerate(requests):
             if r.id is None:
                 r.id = i
-            self.validate(r)
-        return Run(self, requests, on_finish)
+            try:
+                self.validate(r)
+            except InvalidRequestError as e:
+                rejected[i] = str(e)
+        if requests and len(rejected) == len(requests):
+            raise InvalidRequestError(join_errors(list(rejected.values())))
+        return Run(self, requests, on_finish, rejected)
 
     def validate(self, req: Request) -> None:
-        req.params.validate()
-        n, V = len(req.prompt_ids), self.model.args.vocab_size
+        """InvalidRequestError (message prefixed with the request's id) if the engine cannot
+        serve req."""
+        if not isinstance(req.params, SamplingParams):
+            raise InvalidRequestError(f"request {req.id!r}: params must be a SamplingParams, got {req.params!r}")
+        try:
+            req.params.validate()
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"request {req.id!r}: {e}") from None
+        try:
+            n = len(req.prompt_ids)
+            for t in req.prompt_ids:
+                operator.index(t)  # ints (Python, numpy, integer tensors); not floats or strings
+        except TypeError:
+            raise InvalidRequestError(f"request {req.id!r}: prompt_ids must be a list of integer token ids, "
+                                      f"got {req.prompt_ids!r:.80}") from None
+        V = self.model.args.vocab_size
         if n == 0:
             raise InvalidRequestError(f"request {req.id!r}: empty prompt")
         if n > self.capacity:
+            why = "" if self.capacity >= self.max_seq_len else (
+                f": the model's context of {self.model.args.max_position_embeddings} positions less "
+                f"{self.tree_slack} for the verified tree")
             raise InvalidRequestError(f"request {req.id!r}: prompt of {n} tokens is longer than the "
-                                      f"cache ({self.capacity} positions per request)")
+                                      f"cache ({self.capacity} positions per request{why})")
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
             raise InvalidRequestError(f"request {req.id!r}: prompt token ids must be in [0, {V})")
         if req.params.stop and self.tokenizer is None:
@@ -178,15 +250,19 @@ class Engine:
         """Prompt forward of newly admitted requests, first token on a one-node tree, and
         the head's pass over the prompt. Returns the first tokens (long [B])."""
         slots = self._slots(seqs)
-        prompts = [torch.tensor(s.req.prompt_ids, device=self.device) for s in seqs]
+        prompts = [torch.tensor([int(t) for t in s.req.prompt_ids], dtype=torch.long, device=self.device)
+                   for s in seqs]
         with timed(self.device, "prefill", all_stats):
             out = self.model.prefill(prompts, self.cache, slots, self.feature_layers)
             B = len(seqs)
             root = drafting.plain_draft(torch.zeros(B, dtype=torch.long, device=self.device))
-            _, _, first = self._sample(self._sampling(seqs), out.logits[:, None], root)
+            _, _, first = self._sample(self._sampling(seqs), out.logits[:, None], root, seqs)
             first = first[:, 0].long()
             if self.head is not None:
                 self._head_prefill(seqs, slots, prompts, first, out)
+                for s in seqs:
+                    if s.error is not None:  # failed: its slot is freed, nothing to run
+                        self.head_pending.pop(s.slot, None)
         return first
 
     def step(self, seqs: list[_Seq], all_stats: list[Stats]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,9 +284,16 @@ class Engine:
             tree_mask, depth = ops.build_tree_mask(d.parents, d.num_nodes)
             out = self.model(d.tokens, self.cache, slots, d.num_nodes, tree_mask, depth, self.feature_layers)
         with timed(self.device, "sample", all_stats):
-            accepted_nodes, num_accepted, output_tokens = self._sample(sampling, out.logits, d)
-            if d.confidence is not None:
-                self.policy.observe(d, depth, accepted_nodes, num_accepted)
+            accepted_nodes, num_accepted, output_tokens = self._sample(sampling, out.logits, d, seqs)
+            ok = [b for b, s in enumerate(seqs) if s.error is None]
+            if d.confidence is not None and ok:
+                if len(ok) < len(seqs):  # learn from the requests that sampled
+                    rows = torch.tensor(ok, device=self.device)
+                    self.policy.observe(Draft(d.tokens[rows], d.parents[rows], d.num_nodes[rows], None,
+                                              d.confidence[rows]), depth[rows], accepted_nodes[rows],
+                                        num_accepted[rows])
+                else:
+                    self.policy.observe(d, depth, accepted_nodes, num_accepted)
         with timed(self.device, "compact", all_stats):
             ops.compact_kv(self.cache.k, self.cache.v, self.cache.block_table[slots],
                            self.cache.cache_lens[slots], accepted_nodes, num_accepted)
@@ -220,12 +303,14 @@ class Engine:
                 features = self.head.select_features(out.hidden, out.aux)
                 path_features = features.gather(
                     1, accepted_nodes.long().clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
-                for slot, tok, feat, n in zip(slots.tolist(), output_tokens.long(), path_features,
-                                              (num_accepted + 1).tolist()):
-                    self.head_pending.setdefault(slot, []).append((tok[:n], feat[:n]))
+                for s, slot, tok, feat, n in zip(seqs, slots.tolist(), output_tokens.long(), path_features,
+                                                 (num_accepted + 1).tolist()):
+                    if s.error is None:
+                        self.head_pending.setdefault(slot, []).append((tok[:n], feat[:n]))
         tree_depth = depth.max(dim=1).values.tolist()
         for s, a, n, dep in zip(seqs, num_accepted.tolist(), d.num_nodes.tolist(), tree_depth):
-            s.stats.record_step(a, n, dep)
+            if s.error is None:
+                s.stats.record_step(a, n, dep)
         return output_tokens, num_accepted
 
     # ------------------------------------------------------------------ helpers
@@ -240,11 +325,36 @@ class Engine:
             top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
             generators=[s.generator for s in seqs])
 
-    def _sample(self, sp: BatchSampling, logits, d):
-        """tree_rejection_sample with each request's parameters and its own uniforms."""
+    def _sample(self, sp: BatchSampling, logits, d, seqs):
+        """tree_rejection_sample with each request's parameters and its own uniforms.
+
+        Should it raise (on CPU: NaN / inf logits, out-of-range draft tokens), each row is
+        sampled alone, with the same uniforms, to find the culprits: those requests get
+        .finish_reason "error" and an inert row (root accepted, no token); the others get
+        exactly what the batched call would have given them."""
         uniforms = ops.make_uniforms(len(sp.generators), logits.shape[1], self.device, sp.generators)
-        return ops.tree_rejection_sample(logits, d.tokens, d.parents, d.num_nodes, d.draft_probs,
-                                         sp.temperature, sp.top_k, sp.top_p, uniforms)
+        args = (logits, d.tokens, d.parents, d.num_nodes, d.draft_probs, sp.temperature, sp.top_k,
+                sp.top_p, uniforms)
+        try:
+            return ops.tree_rejection_sample(*args)
+        except (RuntimeError, ValueError):
+            rows, failed = [], {}
+            for b in range(len(seqs)):
+                try:
+                    rows.append(ops.tree_rejection_sample(*(a if a is None else a[b:b + 1] for a in args)))
+                except (RuntimeError, ValueError) as e:
+                    failed[b] = str(e).strip().splitlines()[0]
+                    rows.append(None)
+            if not failed:
+                raise  # not a per-request problem: the batched call's error
+        T = logits.shape[1]
+        for b, msg in failed.items():
+            seqs[b].finish_reason = "error"
+            seqs[b].error = f"request {seqs[b].req.id!r}: sampling failed: {msg}"
+            inert = torch.full((1, T), -1, dtype=torch.int32, device=self.device)
+            inert[0, 0] = 0
+            rows[b] = (inert, torch.zeros(1, dtype=torch.int32, device=self.device), inert.new_full((1, T), -1))
+        return tuple(torch.cat(parts) for parts in zip(*rows))
 
     def _head_prefill(self, seqs, slots, prompts, first, out):
         """Queues the head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair
@@ -286,12 +396,40 @@ class Engine:
         self.draft_hidden[slots] = last
 
 
-class Run:
-    """One generate()/stream() call: the request queue, the active batch, the results."""
+def join_errors(messages: list, limit: int = 3) -> str:
+    """One line for several per-request errors."""
+    if len(messages) == 1:
+        return messages[0]
+    more = f"; and {len(messages) - limit} more" if len(messages) > limit else ""
+    return f"no valid request ({len(messages)} invalid): " + "; ".join(messages[:limit]) + more
 
-    def __init__(self, engine: Engine, requests: list, on_finish=None):
+
+def _free_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on device (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+class Run:
+    """One generate()/stream() call: the request queue, the active batch, the results.
+    rejected: {index: message} of the requests that failed validation (finished first)."""
+
+    def __init__(self, engine: Engine, requests: list, on_finish=None, rejected=None):
         self.engine, self.on_finish = engine, on_finish
-        self.queue = list(requests)
+        self.rejected = dict(rejected or {})
+        self.requests = list(requests)
+        self.queue = [(i, r) for i, r in enumerate(requests) if i not in self.rejected]
         self.results = [None] * len(requests)
         self.per_request = [None] * len(requests)
         self.engine_stats = Stats(num_requests=len(requests))  # run-level time split
@@ -307,29 +445,36 @@ class Run:
     def _loop(self):
         eng = self.engine
         start = time.perf_counter()
+        for index, message in sorted(self.rejected.items()):  # reported together, before any work
+            s = _Seq(index, self.requests[index], -1, None, Stats(), start, start, finish_reason="error",
+                     error=message)
+            self._finish(s)
+            self.per_request[index] = None  # never ran: not in the aggregate
         free = list(range(eng.batch_size))
-        active, index = [], 0
+        active = []
         with torch.inference_mode():
             while self.queue or active:
                 new = []
                 while free and self.queue:
-                    req = self.queue.pop(0)
+                    index, req = self.queue.pop(0)
                     new.append(self._admit(req, index, free.pop(0), start))
-                    index += 1
                 if new:
                     first = eng.prefill(new, [self.engine_stats] + [s.stats for s in new])
                     for s, tok in zip(new, first.tolist()):
                         s.first_token_time = time.perf_counter()
-                        yield from self._emit(s, [tok])
+                        if s.error is None:
+                            yield from self._emit(s, [tok])
                     active += new
                 active = self._retire(active, free)
                 if not active:
                     continue
                 out_tokens, num_accepted = eng.step(active, [self.engine_stats] + [s.stats for s in active])
                 for s, toks, a in zip(active, out_tokens.tolist(), num_accepted.tolist()):
-                    yield from self._emit(s, toks[: a + 1])
+                    if s.error is None:
+                        yield from self._emit(s, toks[: a + 1])
                 active = self._retire(active, free)
-        self.stats = Stats.aggregate(self.per_request, self.engine_stats.time_s, time.perf_counter() - start)
+        ran = [s for s in self.per_request if s is not None]
+        self.stats = Stats.aggregate(ran, self.engine_stats.time_s, time.perf_counter() - start)
 
     def _admit(self, req, index, slot, arrival):
         seed = req.params.seed
@@ -379,10 +524,14 @@ class Run:
     def _finish(self, s: _Seq):
         eng = self.engine
         s.stats.finish(s.arrival, s.first_token_time, time.perf_counter())
-        if s.text is None and eng.tokenizer is not None:
+        if s.text is None and eng.tokenizer is not None and (s.tokens or s.error is None):
             s.text = eng.tokenizer.decode(s.tokens)
-        result = Result(s.req.id, s.req.prompt, list(s.req.prompt_ids), list(s.tokens), s.text,
-                        s.finish_reason, s.stats)
+        try:
+            prompt_ids = list(s.req.prompt_ids)
+        except TypeError:  # a rejected request's
+            prompt_ids = []
+        result = Result(s.req.id, s.req.prompt, prompt_ids, list(s.tokens), s.text,
+                        s.finish_reason, s.stats, s.error)
         self.results[s.index] = result
         self.per_request[s.index] = s.stats
         if self.on_finish is not None:

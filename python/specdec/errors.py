@@ -20,7 +20,8 @@ class HeadMismatchError(SpecdecError, ValueError):
 
 class InvalidRequestError(SpecdecError, ValueError):
     """A generation request the engine cannot serve: empty prompt, prompt longer than
-    the cache, or invalid sampling parameters."""
+    the cache, or invalid sampling parameters; or engine arguments it cannot honour
+    (batch_size < 1, caches larger than the free memory, an unwritable --output)."""
 
 
 class InvalidTreeSpecError(SpecdecError, ValueError):

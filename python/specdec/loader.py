@@ -80,7 +80,17 @@ def load_model(path: str | None = None, dtype=torch.float32, device="cpu") -> tu
         path = gguf_checkpoint_dir(path)
     elif not os.path.isdir(path):
         raise ModelLoadError(f"model path {path!r} is neither a .gguf file nor a directory")
-    return load_checkpoint_dir(path, dtype, device), Tokenizer.from_dir(path)
+    return load_checkpoint_dir(path, dtype, device), load_tokenizer(path)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a checkpoint dir; a missing or unreadable one is a ModelLoadError."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ModelLoadError(f"{path} has no tokenizer.json (a checkpoint dir needs its tokenizer files)")
+    try:
+        return Tokenizer.from_dir(path)
+    except Exception as e:  # tokenizers raises bare Exceptions; JSON / template errors too
+        raise ModelLoadError(f"cannot load the tokenizer of {path}: {type(e).__name__}: {e}") from None
 
 
 def gguf_checkpoint_dir(gguf_path: str) -> str:
@@ -95,7 +105,12 @@ def gguf_checkpoint_dir(gguf_path: str) -> str:
     tmp = tempfile.mkdtemp(prefix=".converting-", dir=cache_root())
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
-        convert_gguf(gguf_path, tmp)
+        try:
+            convert_gguf(gguf_path, tmp)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # gguf raises ValueError / struct / numpy errors on bad files
+            raise ModelLoadError(f"{gguf_path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
         with open(os.path.join(tmp, _SOURCE_STAMP), "w") as f:
             json.dump(stamp, f)
         shutil.rmtree(out, ignore_errors=True)
@@ -135,8 +150,11 @@ def load_checkpoint_dir(path: str, dtype=torch.float32, device="cpu") -> Transfo
         raise ModelLoadError(f"{path} has no *.safetensors weights (PyTorch .bin files are not supported)")
     hf = {}
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            hf.update({name: f.get_tensor(name) for name in f.keys()})
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                hf.update({name: f.get_tensor(name) for name in f.keys()})
+        except Exception as e:  # SafetensorError, OSError: a corrupt or truncated file
+            raise ModelLoadError(f"cannot read {file}: {type(e).__name__}: {e}") from None
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(_fused_state_dict(hf, args, path, dtype), strict=True, assign=True)

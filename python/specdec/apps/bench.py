@@ -1,0 +1,347 @@
+"""`specdec bench`: end-to-end decoding benchmark on MT-bench first turns.
+
+In one run, on the same prompts: Hugging Face `generate` (plain, and prompt-lookup
+decoding), our plain loop, our EAGLE chain for several k, our EAGLE dynamic tree and our
+adaptive mode, greedy and at temperature 1, batch size 1; a greedy batch-size sweep for
+throughput; and a hostile workload (an untrained head) where only adaptive mode should
+keep plain decoding's speed. Every model runs in the same dtype. Reports mean acceptance
+length, per-depth acceptance, tokens/s, speedups vs our plain loop and vs HF plain, and the
+time split; writes PREFIX.json (with machine, date and commit) and PREFIX_*.png plots.
+"""
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+from ..drafting import TreeSpec
+
+
+# ---------------------------------------------------------------------- one configuration
+def run_ours(model, tokenizer, head, tree, prompt_ids: list, temperature: float, batch_size: int,
+             max_new_tokens: int, seed: int) -> dict:
+    """Our engine (plain when head is None) on every prompt -> result dict (Stats fields,
+    plus the generated token ids)."""
+    from ..engine import Engine, Request, SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine(model, tokenizer, head=head, tree=tree, batch_size=batch_size,
+                    max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens + 1)
+    startup = time.perf_counter() - t0  # adaptive mode measures its cost model here
+    engine.generate([Request(list(prompt_ids[0]), SamplingParams(max_new_tokens=2))])  # warm-up
+    requests = [Request(list(p), SamplingParams(temperature, seed=seed + i, max_new_tokens=max_new_tokens))
+                for i, p in enumerate(prompt_ids)]
+    results, stats = engine.generate(requests)
+    out = stats.to_dict()
+    out["outputs"] = [r.token_ids for r in results]
+    if engine.policy is not None:
+        out["startup_s"] = startup
+        out["cost_model"] = vars(engine.policy.cost)
+    return out
+
+
+def run_hf(hf_model, prompt_ids: list, temperature: float, batch_size: int, max_new_tokens: int,
+           seed: int, eos_ids, prompt_lookup: int | None = None) -> dict:
+    """transformers' generate (left-padded batches; prompt lookup needs batch size 1)."""
+    pad = min(eos_ids)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
+        {"do_sample": False}
+    extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+
+    def generate(batch, n):
+        width = max(len(p) for p in batch)
+        dev = hf_model.device
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad,
+                                eos_token_id=sorted(eos_ids), **sampling, **extra)
+        return [_strip(row[width:].tolist(), eos_ids) for row in out]
+
+    with torch.inference_mode():
+        generate(prompt_ids[:1], 2)  # warm-up
+        t0 = time.perf_counter()
+        outputs = []
+        for i in range(0, len(prompt_ids), batch_size):
+            torch.manual_seed(seed + i)
+            outputs += generate(prompt_ids[i:i + batch_size], max_new_tokens)
+        elapsed = time.perf_counter() - t0
+    n = sum(len(o) for o in outputs)
+    return {"num_requests": len(prompt_ids), "generated_tokens": n, "elapsed_s": elapsed,
+            "tokens_per_s": n / elapsed, "mean_acceptance_length": None, "outputs": outputs}
+
+
+def _strip(ids: list, eos_ids) -> list:
+    """Generated ids up to and including the first EOS (HF pads finished rows)."""
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[: i + 1]
+    return ids
+
+
+# ---------------------------------------------------------------------- the benchmark
+def methods(head, chain_ks, tree: str, adaptive: str, hf: bool):
+    """(name, kind, tree or prompt-lookup size) of every method at batch size 1."""
+    out = [("hf_plain", "hf", None), ("hf_prompt_lookup", "hf", 10)] if hf else []
+    out.append(("plain", "ours", None))
+    if head is not None:
+        out += [(f"eagle_chain{k}", "ours", f"chain:{k}") for k in chain_ks]
+        out.append((f"eagle_tree({tree})", "ours", tree))
+        out.append(("eagle_adaptive", "ours", adaptive))
+    return out
+
+
+def run_bench(model, tokenizer, head, prompts: list, max_new_tokens: int = 128, temperatures=(0.0, 1.0),
+              chain_ks=(2, 4, 6), tree: str = TreeSpec.DEFAULT, batch_sizes=(1, 4, 16, 64),
+              hf_model=None, seed: int = 0, log=print, adaptive: str = "adaptive", hostile: bool = True) -> dict:
+    """Runs every method -> the JSON-ready result: {"config", "batch1": {temperature: {method:
+    stats}}, "sweep": {method: {batch_size: stats}}, "hostile": {method: stats}}; outputs
+    dropped, exactness noted."""
+    from ..eagle import EagleHead
+
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    eos = tokenizer.eos_token_ids
+    weight = model.tok_embeddings.weight
+    result = {"config": {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "tree": tree,
+                         "adaptive": adaptive, "chain_ks": list(chain_ks), "batch_sizes": list(batch_sizes),
+                         "seed": seed, "threads": torch.get_num_threads(), "device": str(weight.device),
+                         "dtype": str(weight.dtype).removeprefix("torch."),
+                         "head_version": getattr(head, "version", None),
+                         "draft_vocab": getattr(head, "draft_vocab_size", None), **machine_info(weight.device)},
+              "batch1": {}, "sweep": {}}
+    for temp in temperatures:
+        rows = {}
+        for name, kind, arg in methods(head, chain_ks, tree, adaptive, hf_model is not None):
+            if kind == "hf" and arg and temp:
+                continue  # HF prompt lookup is greedy-only in our comparison
+            t0 = time.perf_counter()
+            if kind == "hf":
+                rows[name] = run_hf(hf_model, prompt_ids, temp, 1, max_new_tokens, seed, eos, arg)
+            else:
+                rows[name] = run_ours(model, tokenizer, head if arg else None, arg or "chain:1", prompt_ids,
+                                      temp, 1, max_new_tokens, seed)
+            log(f"[T={temp}] {name}: {rows[name]['tokens_per_s']:.2f} tok/s, acceptance "
+                f"{rows[name]['mean_acceptance_length']} ({time.perf_counter() - t0:.0f}s)")
+        result["batch1"][str(temp)] = _finish(rows, greedy=temp == 0)
+    sweep = [("plain", None)] + ([(f"eagle_tree({tree})", tree), ("eagle_adaptive", adaptive)]
+                                 if head is not None else [])
+    for bs in batch_sizes:
+        ids = [prompt_ids[i % len(prompt_ids)] for i in range(bs)]
+        rows = {}
+        if hf_model is not None:
+            rows["hf_plain"] = run_hf(hf_model, ids, 0.0, bs, max_new_tokens, seed, eos)
+        for name, t in sweep:
+            rows[name] = run_ours(model, tokenizer, head if t else None, t or "chain:1", ids, 0.0, bs,
+                                  max_new_tokens, seed)
+        log(f"[batch {bs}] " + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items()))
+        for name, r in _finish(rows, greedy=True).items():
+            result["sweep"].setdefault(name, {})[str(bs)] = r
+    if hostile and head is not None:
+        # an untrained head (acceptance ~1): speculation cannot pay; adaptive mode should notice
+        untrained = EagleHead.random(model, version=head.version, seed=seed)
+        rows = {"plain": run_ours(model, tokenizer, None, "chain:1", prompt_ids, 0.0, 1, max_new_tokens, seed)}
+        for name, t in [("eagle_chain2", "chain:2"), (f"eagle_tree({tree})", tree), ("eagle_adaptive", adaptive)]:
+            rows[name] = run_ours(model, tokenizer, untrained, t, prompt_ids, 0.0, 1, max_new_tokens, seed)
+        log("[hostile: untrained head] " + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items()))
+        result["hostile"] = _finish(rows, greedy=True)
+    return result
+
+
+def machine_info(device) -> dict:
+    """Where and when the figures come from: CPU / GPU model, date, commit, versions."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    info = {"machine": f"{cpu}, {os.cpu_count()} logical CPUs", "date": datetime.date.today().isoformat(),
+            "commit": commit or None, "torch": torch.__version__}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _finish(rows: dict, greedy: bool) -> dict:
+    """Adds speedups (tokens/s vs our plain and HF plain) and, when greedy, whether each
+    method produced exactly our plain loop's tokens; drops the outputs."""
+    base = rows["plain"]
+    for r in rows.values():
+        r["speedup_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
+        if "hf_plain" in rows:
+            r["speedup_vs_hf_plain"] = r["tokens_per_s"] / rows["hf_plain"]["tokens_per_s"]
+        if greedy:
+            r["same_tokens_as_plain"] = sum(a == b for a, b in zip(r["outputs"], base["outputs"])) / len(
+                base["outputs"])
+    for r in rows.values():
+        del r["outputs"]
+    return rows
+
+
+# ---------------------------------------------------------------------- plots
+def plot(result: dict, prefix: str) -> list:
+    """PREFIX_{acceptance_hist, acceptance_by_depth, speedup_vs_batch, time_split}.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    greedy = result["batch1"].get("0.0", {})
+    eagle = {k: v for k, v in greedy.items() if k.startswith("eagle")}
+    paths = []
+
+    def save(fig, name):
+        path = f"{prefix}_{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(eagle))
+    for i, (name, r) in enumerate(eagle.items()):
+        hist = r["first_rejection_hist"]
+        total = sum(hist) or 1
+        ax.bar([a + 1 + i * width for a in range(len(hist))], [h / total for h in hist], width, label=name)
+    ax.set(xlabel="tokens per target forward (accepted drafts + 1)", ylabel="fraction of steps",
+           title="Acceptance length, greedy, batch 1")
+    ax.legend(fontsize=8)
+    save(fig, "acceptance_hist")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in eagle.items():
+        rate = r["acceptance_rate"]
+        ax.plot(range(1, len(rate) + 1), rate, marker="o", label=name)
+    ax.set(xlabel="draft depth", ylabel="P(accept | reached)", ylim=(0, 1), title="Per-position acceptance, greedy")
+    ax.legend(fontsize=8)
+    save(fig, "acceptance_by_depth")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sweep = result["sweep"]
+    for name, by_bs in sweep.items():
+        bss = sorted(by_bs, key=int)
+        ax.plot([int(b) for b in bss], [by_bs[b]["speedup_vs_plain"] for b in bss], marker="o", label=name)
+    ax.set(xscale="log", xlabel="batch size", ylabel="tokens/s vs our plain loop", title="Speedup vs batch size (greedy)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.legend(fontsize=8)
+    save(fig, "speedup_vs_batch")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ours = {k: v for k, v in greedy.items() if "time_s" in v}
+    bottom = [0.0] * len(ours)
+    phases = list(next(iter(ours.values()))["time_s"]) if ours else []
+    for phase in phases:
+        vals = [r["time_s"][phase] / max(r["generated_tokens"], 1) * 1000 for r in ours.values()]
+        ax.bar(range(len(ours)), vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(ours)), list(ours), rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="ms per generated token", title="Time split, greedy, batch 1")
+    ax.legend(fontsize=8)
+    save(fig, "time_split")
+    return paths
+
+
+def summary(result: dict) -> str:
+    c = result["config"]
+    lines = [f"{c['machine']}, {c['device']}, {c['dtype']}, {c['threads']} threads; {c['date']}, commit {c['commit']}"]
+    tables = [(f"batch 1, temperature {temp}", rows) for temp, rows in result["batch1"].items()]
+    if "hostile" in result:
+        tables.append(("hostile: untrained head, greedy, batch 1", result["hostile"]))
+    for title, rows in tables:
+        lines.append(f"== {title} ==")
+        lines.append(f"{'method':<28}{'tok/s':>9}{'accept':>9}{'vs plain':>10}{'vs HF':>8}  exact")
+        for name, r in rows.items():
+            acc = r.get("mean_acceptance_length")
+            lines.append(f"{name:<28}{r['tokens_per_s']:>9.2f}{acc if acc is None else round(acc, 3)!s:>9}"
+                         f"{r['speedup_vs_plain']:>10.2f}{r.get('speedup_vs_hf_plain', float('nan')):>8.2f}"
+                         f"  {r.get('same_tokens_as_plain', '-')}")
+    lines.append("== greedy batch sweep: tokens/s ==")
+    for name, by_bs in result["sweep"].items():
+        lines.append(f"{name:<28}" + "  ".join(f"bs{b}: {r['tokens_per_s']:.2f}" for b, r in by_bs.items()))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- command line
+def add_arguments(p):
+    from .common import add_model_placement_arguments
+
+    p.add_argument("--model", metavar="PATH", help="target: .gguf or HF dir (default: SmolLM2-135M-Instruct)")
+    add_model_placement_arguments(p)
+    p.add_argument("--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)")
+    p.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, batch sizes 1 and 4, chain:4 only")
+    p.add_argument("--num-prompts", type=int, default=80, help="MT-bench first turns to use (max 80)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", default=TreeSpec.DEFAULT, help="the fixed dynamic tree (default %(default)s)")
+    p.add_argument("--adaptive", default="adaptive", help="adaptive mode's bounds (default %(default)s)")
+    p.add_argument("--no-hostile", action="store_true", help="skip the untrained-head (hostile) workload")
+    p.add_argument("--chain-ks", default="2,4,6", help="comma-separated chain depths")
+    p.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated batch sizes of the throughput sweep")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures at batch size 1")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baselines")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--output", default="benchmarks/e2e", metavar="PREFIX",
+                   help="writes PREFIX.json and PREFIX_*.png (default %(default)s)")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def _ints(text):
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def run(args) -> int:
+    from .common import load_model_from_args
+    from .data import mtbench_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.num_prompts, args.max_new_tokens = min(args.num_prompts, 3), min(args.max_new_tokens, 32)
+        args.chain_ks, args.batch_sizes = "4", "1,4"
+    TreeSpec.parse(args.tree), TreeSpec.parse(args.adaptive)  # bad specs fail before loading
+    model, tokenizer = load_model_from_args(args)
+    head = _load_head(args, model)
+    weight = model.tok_embeddings.weight
+    hf_model = None if args.no_hf else _load_hf(args.model, weight.dtype, weight.device)
+    result = run_bench(model, tokenizer, head, mtbench_prompts(args.num_prompts), args.max_new_tokens,
+                       tuple(float(t) for t in args.temperatures.split(",")), _ints(args.chain_ks), args.tree,
+                       _ints(args.batch_sizes), hf_model, args.seed,
+                       log=lambda m: print(m, file=sys.stderr, flush=True), adaptive=args.adaptive,
+                       hostile=not args.no_hostile)
+    result["config"]["head"] = args.head or "shipped"
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    if not args.no_plots:
+        plot(result, args.output)
+    print(summary(result))
+    return 0
+
+
+def _load_head(args, model):
+    from ..eagle import load_head
+    from ..heads import shipped_head_path
+
+    path = args.head or shipped_head_path(args.model)
+    return load_head(path, model) if path else None
+
+
+def _load_hf(model_path, dtype, device):
+    """transformers' model over the same weights (the GGUF's cached HF conversion), in the
+    dtype and on the device ours runs in."""
+    from transformers import AutoModelForCausalLM
+
+    from ..loader import default_model_path, gguf_checkpoint_dir
+
+    path = model_path or default_model_path()
+    if path.endswith(".gguf"):
+        path = gguf_checkpoint_dir(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
