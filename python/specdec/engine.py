@@ -1,24 +1,17 @@
 """The batched speculative decode loop (and, with the drafter off, plain decoding).
 
 One step for the B active requests:
-    draft -> build_tree_mask -> target verify forward -> tree_rejection_sample
-          -> compact_kv + commit (target) -> head extend (EAGLE) -> emit.
-Plain decoding is the same loop with the one-node tree (root only, T = 1); the first token
-after prefill is sampled the same way, on a one-node tree over the prefill logits. In
+    drafter.propose -> build_tree_mask -> target verify forward -> tree_rejection_sample
+          -> compact_kv + commit (target) -> drafter.commit -> emit.
+The loop knows only a `Drafter` (specdec.drafters: the EAGLE head, n-gram lookup, ...);
+plain decoding is the drafter that proposes the one-node tree (root only, T = 1). The first
+token after prefill is sampled the same way, on a one-node tree over the prefill logits. In
 adaptive mode (specdec.adaptive) a policy sizes each step's tree, or makes it a plain step.
 
 Requests advance together with different accepted lengths; a finished one (EOS, max
 tokens, stop string, full cache) frees its slot for the next queued request. Each request
 has its own torch.Generator feeding its uniforms (and chain-draft samples), so what it
 generates does not depend on its batch-mates.
-
-EAGLE head cache: positions 0..n-1 hold the head's pass over (token t+1, target feature t)
-pairs with the target's true features. Its draft tree is scratch space past n - 1
-(drafting.HeadTree); the accepted pairs are re-run with the target's true features at
-positions n..n+a (as upstream EAGLE and SGLang do: the draft KV was computed from the
-head's own predicted features), so committing it is advancing cache_lens — the positions
-are already contiguous and compaction would be the identity. That re-run is deferred to
-the next drafting step (_head_catch_up), so plain steps of adaptive mode cost no head work.
 """
 import operator
 import os
@@ -31,9 +24,9 @@ import torch
 
 import specdec_kernels.ops as ops
 
-from . import drafting
 from .adaptive import CostModel, Policy
-from .drafting import BatchSampling, Draft, TreeSpec
+from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
+from .drafting import BatchSampling, TreeSpec
 from .errors import InvalidRequestError, InvalidTreeSpecError
 from .stats import Stats, timed
 
@@ -106,10 +99,12 @@ class _Seq:
 
 
 class Engine:
-    """Speculative (head given) or plain (head=None) decoding of batches of requests.
+    """Speculative (a drafter or head given) or plain decoding of batches of requests.
 
     model: specdec.model.Transformer; tokenizer: for EOS ids, stop strings and text (optional);
-    head: an EagleHead or None; tree: TreeSpec or its string form ("chain:4",
+    head: an EagleHead or None (shorthand for drafter=EagleDrafter(head)); drafter: a
+    specdec.drafters.Drafter (default: EAGLE with head, else plain); tree: TreeSpec or its
+    string form, the shape of the drafter's trees ("chain:4",
     "dynamic:5,8,32", "adaptive"); batch_size: requests decoded together; max_seq_len: cache
     positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
     measured here, which takes a few forwards; pass one to make the choices reproducible).
@@ -120,8 +115,18 @@ class Engine:
     def __init__(self, model: "Transformer", tokenizer: "Tokenizer | None" = None, head: "EagleHead | None" = None,
                  tree: TreeSpec | str = TreeSpec.DEFAULT, batch_size: int = 1, max_seq_len: int | None = None,
                  block_size: int = 16, eos_token_ids: Iterable[int] | None = None,
-                 cost_model: CostModel | None = None):
-        self.model, self.tokenizer, self.head = model, tokenizer, head
+                 cost_model: CostModel | None = None, drafter: Drafter | None = None):
+        if drafter is None:
+            from .drafters.eagle import EagleDrafter
+            from .drafters.plain import PlainDrafter
+
+            drafter = PlainDrafter() if head is None else EagleDrafter(head)
+        elif head is not None:
+            raise InvalidRequestError("pass either head= or drafter=, not both")
+        elif not isinstance(drafter, Drafter):
+            raise InvalidRequestError(f"drafter must be a specdec.drafters.Drafter, got {drafter!r}")
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.head = getattr(drafter, "head", None)
         self.tree = TreeSpec.parse(tree) if isinstance(tree, str) else tree
         if not isinstance(self.tree, TreeSpec):
             raise InvalidTreeSpecError(f"tree must be a TreeSpec or its string form, got {tree!r}")
@@ -137,32 +142,24 @@ class Engine:
         max_seq_len = max_seq_len or min(2048, max_pos)
         # Padded tree nodes are addressed (not written) past a request's last position, so
         # both caches keep T positions of slack beyond `capacity`, the per-request limit.
-        T = self.tree.num_nodes if head is not None else 1
-        if head is not None:  # the model's context holds the tree and at least a 1-token prompt
-            self.tree.check_fits(max_pos - 1, head.draft_vocab_size)
+        T = drafter.num_nodes(self.tree)
+        # the model's context holds the tree and at least a 1-token prompt
+        drafter.check(self.tree, max_pos - 1)
         cache_len = min(max_seq_len + T, max_pos)
         capacity = min(max_seq_len, -(-cache_len // block_size) * block_size - T)
-        head_len = capacity + max(T, self.tree.head_nodes)
-        self._check_memory(batch_size, block_size, cache_len, head_len if head is not None else 0, T)
+        self._check_memory(batch_size, block_size, cache_len, drafter.cache_positions(self.tree, capacity), T)
         try:
             self.cache = model.new_cache(batch_size, cache_len, block_size)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise InvalidRequestError(f"cannot allocate the KV cache for batch_size {batch_size}: {e}") from None
         self.capacity = min(max_seq_len, self.cache.capacity - T)
         self.max_seq_len, self.tree_slack = max_seq_len, T
-        self.feature_layers = head.feature_layers if head is not None else ()
-        if head is not None:
-            # plus the head's scratch draft tree past its last committed position
-            self.head_cache = head.new_cache(batch_size, head_len, block_size)
-            # the head's output at each slot's last committed position: what drafting starts from
-            self.draft_hidden = torch.zeros(batch_size, model.args.dim, dtype=head.fc.weight.dtype,
-                                            device=self.device)
-            # per slot: (tokens, target features) accepted since the head last ran (_head_catch_up)
-            self.head_pending = {}
+        self.feature_layers = tuple(drafter.feature_layers)
+        drafter.setup(Setup(model, self.tree, batch_size, capacity, block_size, self.device))
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None
-        if head is not None and self.tree.kind == "adaptive":
-            self.policy = Policy(cost_model or CostModel.measure(model, head, self.tree, batch_size), self.tree)
+        if drafter.adaptive and self.tree.kind == "adaptive":
+            self.policy = Policy(cost_model or drafter.measure_cost(model, self.tree, batch_size), self.tree)
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
@@ -248,21 +245,17 @@ class Engine:
     # ------------------------------------------------------------------ one batch step
     def prefill(self, seqs: list[_Seq], all_stats: list[Stats]) -> torch.Tensor:
         """Prompt forward of newly admitted requests, first token on a one-node tree, and
-        the head's pass over the prompt. Returns the first tokens (long [B])."""
+        the drafter's start. Returns the first tokens (long [B])."""
         slots = self._slots(seqs)
         prompts = [torch.tensor([int(t) for t in s.req.prompt_ids], dtype=torch.long, device=self.device)
                    for s in seqs]
         with timed(self.device, "prefill", all_stats):
             out = self.model.prefill(prompts, self.cache, slots, self.feature_layers)
             B = len(seqs)
-            root = drafting.plain_draft(torch.zeros(B, dtype=torch.long, device=self.device))
+            root = root_only(torch.zeros(B, dtype=torch.long, device=self.device))
             _, _, first = self._sample(self._sampling(seqs), out.logits[:, None], root, seqs)
             first = first[:, 0].long()
-            if self.head is not None:
-                self._head_prefill(seqs, slots, prompts, first, out)
-                for s in seqs:
-                    if s.error is not None:  # failed: its slot is freed, nothing to run
-                        self.head_pending.pop(s.slot, None)
+            self.drafter.start(slots, prompts, first, out.hidden, out.aux, [s.error is None for s in seqs])
         return first
 
     def step(self, seqs: list[_Seq], all_stats: list[Stats]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,12 +266,10 @@ class Engine:
         room = self.capacity - self.cache.cache_lens[slots]
         sampling = self._sampling(seqs)
         with timed(self.device, "draft", all_stats):
-            if self.head is None or (self.policy is not None and not self.policy.speculate()):
-                d = drafting.plain_draft(roots)
+            if self.policy is not None and not self.policy.speculate():
+                d = root_only(roots)
             else:
-                self._head_catch_up(slots)
-                d = drafting.draft(self.tree, self.head, self.draft_hidden[slots], self.head_cache,
-                                   slots, roots, sampling, self.policy)
+                d = self.drafter.propose(slots, roots, sampling, self.policy)
             d = d.truncate(room)
         with timed(self.device, "verify", all_stats):
             tree_mask, depth = ops.build_tree_mask(d.parents, d.num_nodes)
@@ -286,10 +277,10 @@ class Engine:
         with timed(self.device, "sample", all_stats):
             accepted_nodes, num_accepted, output_tokens = self._sample(sampling, out.logits, d, seqs)
             ok = [b for b, s in enumerate(seqs) if s.error is None]
-            if d.confidence is not None and ok:
+            if d.confidence is not None and self.policy is not None and ok:
                 if len(ok) < len(seqs):  # learn from the requests that sampled
                     rows = torch.tensor(ok, device=self.device)
-                    self.policy.observe(Draft(d.tokens[rows], d.parents[rows], d.num_nodes[rows], None,
+                    self.policy.observe(Proposal(d.tokens[rows], d.parents[rows], d.num_nodes[rows], None,
                                               d.confidence[rows]), depth[rows], accepted_nodes[rows],
                                         num_accepted[rows])
                 else:
@@ -298,15 +289,9 @@ class Engine:
             ops.compact_kv(self.cache.k, self.cache.v, self.cache.block_table[slots],
                            self.cache.cache_lens[slots], accepted_nodes, num_accepted)
             self.cache.cache_lens[slots] += num_accepted + 1
-        if self.head is not None:
-            with timed(self.device, "draft", all_stats):
-                features = self.head.select_features(out.hidden, out.aux)
-                path_features = features.gather(
-                    1, accepted_nodes.long().clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
-                for s, slot, tok, feat, n in zip(seqs, slots.tolist(), output_tokens.long(), path_features,
-                                                 (num_accepted + 1).tolist()):
-                    if s.error is None:
-                        self.head_pending.setdefault(slot, []).append((tok[:n], feat[:n]))
+        with timed(self.device, "draft", all_stats):
+            self.drafter.commit(slots, d, StepResult(accepted_nodes, num_accepted, output_tokens, out.hidden,
+                                                     out.aux, [s.error is None for s in seqs]))
         tree_depth = depth.max(dim=1).values.tolist()
         for s, a, n, dep in zip(seqs, num_accepted.tolist(), d.num_nodes.tolist(), tree_depth):
             if s.error is None:
@@ -355,45 +340,6 @@ class Engine:
             inert[0, 0] = 0
             rows[b] = (inert, torch.zeros(1, dtype=torch.int32, device=self.device), inert.new_full((1, T), -1))
         return tuple(torch.cat(parts) for parts in zip(*rows))
-
-    def _head_prefill(self, seqs, slots, prompts, first, out):
-        """Queues the head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair
-        using the first generated token (run by _head_catch_up before the first draft)."""
-        features = self.head.select_features(out.hidden, out.aux)
-        self.head_cache.reset(slots)
-        for b, (slot, p, f) in enumerate(zip(slots.tolist(), prompts, features)):
-            self.head_pending[slot] = [(torch.cat((p[1:], first[b:b + 1])), f)]
-
-    def _head_catch_up(self, slots):
-        """Runs the head over the (token, target feature) pairs queued since it last ran (the
-        prompt's, then each step's accepted ones): one call for however many steps that was,
-        so adaptive mode's plain steps skip the head entirely and pay for it in one batched
-        pass when drafting resumes."""
-        rows = [i for i, s in enumerate(slots.tolist()) if self.head_pending.get(s)]
-        if not rows:
-            return
-        chunks = [self.head_pending.pop(int(slots[i])) for i in rows]
-        tokens = [torch.cat([t for t, _ in c]) for c in chunks]
-        feats = [torch.cat([f for _, f in c]) for c in chunks]
-        counts = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=self.device)
-        tokens = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True)
-        feats = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
-        self._head_extend(slots[rows], tokens, feats, counts)
-
-    def _head_extend(self, slots, tokens, features, counts):
-        """Appends counts[b] (token, target feature) pairs to the head's cache of each slot and
-        stores the head's output after the last one as the next drafting state.
-        tokens: long [B, M]; features: [B, M, F]; counts: int [B] in [1, M]."""
-        B, M = tokens.shape
-        counts = counts.to(torch.int32)
-        parents = torch.arange(-1, M - 1, dtype=torch.int32, device=self.device).expand(B, M).contiguous()
-        tree_mask, depth = ops.build_tree_mask(parents, counts)
-        lens = self.head_cache.cache_lens[slots]
-        hidden = self.head(tokens, features, self.head_cache, slots, lens, 0, counts, tree_mask,
-                           lens[:, None] + depth)
-        self.head_cache.cache_lens[slots] += counts
-        last = hidden[torch.arange(B, device=self.device), counts.long() - 1]
-        self.draft_hidden[slots] = last
 
 
 def join_errors(messages: list, limit: int = 3) -> str:

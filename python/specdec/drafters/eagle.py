@@ -1,0 +1,105 @@
+"""The EAGLE drafter: an EagleHead (specdec.eagle), its KV cache, and the drafting state.
+
+Head cache: positions 0..n-1 hold the head's pass over (token t+1, target feature t) pairs
+with the target's true features. Its draft tree is scratch space past n - 1
+(drafting.HeadTree); the accepted pairs are re-run with the target's true features at
+positions n..n+a (as upstream EAGLE and SGLang do: the draft KV was computed from the head's
+own predicted features), so committing it is advancing cache_lens — the positions are
+already contiguous and compaction would be the identity. That re-run is deferred to the next
+propose (_catch_up), so plain steps of adaptive mode cost no head work.
+"""
+import torch
+
+import specdec_kernels.ops as ops
+
+from .. import drafting
+from ..adaptive import CostModel
+from .base import Drafter, Proposal
+
+
+class EagleDrafter(Drafter):
+    """Chain (`chain:K`), EAGLE-2 dynamic (`dynamic:D,K,N`) or adaptive trees from head."""
+
+    name = "eagle"
+    adaptive = True
+
+    def __init__(self, head):
+        self.head = head
+        self.feature_layers = head.feature_layers
+
+    def check(self, tree, max_nodes: int) -> None:
+        tree.check_fits(max_nodes, self.head.draft_vocab_size)
+
+    def cache_positions(self, tree, capacity: int) -> int:
+        # plus the head's scratch draft tree past its last committed position
+        return capacity + max(tree.num_nodes, tree.head_nodes)
+
+    def measure_cost(self, model, tree, batch_size: int) -> CostModel:
+        return CostModel.measure(model, self.head, tree, batch_size)
+
+    def setup(self, setup) -> None:
+        head = self.head
+        self.tree, self.device = setup.tree, setup.device
+        self.cache = head.new_cache(setup.batch_size, self.cache_positions(setup.tree, setup.capacity),
+                                    setup.block_size)
+        # the head's output at each slot's last committed position: what drafting starts from
+        self.draft_hidden = torch.zeros(setup.batch_size, setup.model.args.dim, dtype=head.fc.weight.dtype,
+                                        device=setup.device)
+        # per slot: (tokens, target features) accepted since the head last ran (_catch_up)
+        self.pending = {}
+
+    def start(self, slots, prompts, first_tokens, hidden, aux, ok) -> None:
+        """Queues the head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair
+        using the first generated token (run by _catch_up before the first draft)."""
+        features = self.head.select_features(hidden, aux)
+        self.cache.reset(slots)
+        for b, (slot, p, f) in enumerate(zip(slots.tolist(), prompts, features)):
+            self.pending[slot] = [(torch.cat((p[1:], first_tokens[b:b + 1])), f)]
+        for slot, good in zip(slots.tolist(), ok):
+            if not good:  # failed: its slot is freed, nothing to run
+                self.pending.pop(slot, None)
+
+    def propose(self, slots, roots, sampling, policy=None) -> Proposal:
+        self._catch_up(slots)
+        d = drafting.draft(self.tree, self.head, self.draft_hidden[slots], self.cache, slots, roots,
+                           sampling, policy)
+        return Proposal(d.tokens, d.parents, d.num_nodes, d.draft_probs, d.confidence)
+
+    def commit(self, slots, proposal, result) -> None:
+        features = self.head.select_features(result.hidden, result.aux)
+        path_features = features.gather(
+            1, result.accepted_nodes.long().clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
+        for good, slot, tok, feat, n in zip(result.ok, slots.tolist(), result.output_tokens.long(), path_features,
+                                            (result.num_accepted + 1).tolist()):
+            if good:
+                self.pending.setdefault(slot, []).append((tok[:n], feat[:n]))
+
+    def _catch_up(self, slots):
+        """Runs the head over the (token, target feature) pairs queued since it last ran (the
+        prompt's, then each step's accepted ones): one call for however many steps that was,
+        so adaptive mode's plain steps skip the head entirely and pay for it in one batched
+        pass when drafting resumes."""
+        rows = [i for i, s in enumerate(slots.tolist()) if self.pending.get(s)]
+        if not rows:
+            return
+        chunks = [self.pending.pop(int(slots[i])) for i in rows]
+        tokens = [torch.cat([t for t, _ in c]) for c in chunks]
+        feats = [torch.cat([f for _, f in c]) for c in chunks]
+        counts = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=self.device)
+        tokens = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True)
+        feats = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+        self._extend(slots[rows], tokens, feats, counts)
+
+    def _extend(self, slots, tokens, features, counts):
+        """Appends counts[b] (token, target feature) pairs to the head's cache of each slot and
+        stores the head's output after the last one as the next drafting state.
+        tokens: long [B, M]; features: [B, M, F]; counts: int [B] in [1, M]."""
+        B, M = tokens.shape
+        counts = counts.to(torch.int32)
+        parents = torch.arange(-1, M - 1, dtype=torch.int32, device=self.device).expand(B, M).contiguous()
+        tree_mask, depth = ops.build_tree_mask(parents, counts)
+        lens = self.cache.cache_lens[slots]
+        hidden = self.head(tokens, features, self.cache, slots, lens, 0, counts, tree_mask, lens[:, None] + depth)
+        self.cache.cache_lens[slots] += counts
+        last = hidden[torch.arange(B, device=self.device), counts.long() - 1]
+        self.draft_hidden[slots] = last
