@@ -73,12 +73,14 @@ class CostModel:
         1 .. spec.depth levels, at batch_size requests of `context` cached tokens (scratch
         caches; the cache contents do not change the time). Sizes whose verify costs more
         than depth + 1 plain steps can never pay (a step yields at most depth + 1 tokens), so
-        measuring stops there and verify() extrapolates."""
+        measuring stops there and verify() extrapolates. head None: a drafter that costs no
+        model call (n-gram lookup), draft_s is all zeros."""
         dev = model.tok_embeddings.weight.device
         B = batch_size
         slots = torch.arange(B, device=dev)
         cache = model.new_cache(B, context + spec.total)
         cache.cache_lens.fill_(context)
+        feature_layers = head.feature_layers if head is not None else ()
         sizes = sorted({1, spec.total} | {2 ** i for i in range(1, 12) if 2 ** i < spec.total})
         verify_s = []
         for T in sizes:
@@ -88,11 +90,13 @@ class CostModel:
 
             def verify():
                 mask, depth = ops.build_tree_mask(parents, num_nodes)
-                model(tokens, cache, slots, num_nodes, mask, depth, head.feature_layers)
+                model(tokens, cache, slots, num_nodes, mask, depth, feature_layers)
             verify_s.append(_median_time(verify, repeats, dev))
             if verify_s[-1] > (spec.depth + 1) * verify_s[0]:
                 break
 
+        if head is None:
+            return cls(B, sizes[:len(verify_s)], verify_s, [0.0] * spec.depth)
         head_cache = head.new_cache(B, context + spec.head_nodes)
         head_cache.cache_lens.fill_(context)
         hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)

@@ -1,7 +1,8 @@
-"""`specdec generate`: decode prompts with the engine, speculatively (EAGLE) or plainly.
+"""`specdec generate`: decode prompts with the engine, speculatively (EAGLE, n-gram lookup) or plainly.
 
     specdec generate --prompt "Why is the sky blue?"            # default model + its EAGLE head
     specdec generate --prompts in.jsonl --output out.jsonl --method plain --batch-size 4
+    specdec generate --prompts edits.jsonl --method ngram --ngram-max 4 --ngram-min 2 --tree chain:8
 
 Bad input of any kind is a SpecdecError (the CLI prints one line, exit code 2). A request that
 fails on its own (an invalid prompt among valid ones, NaN logits) is one stderr line and a row
@@ -18,6 +19,8 @@ from ..errors import InvalidRequestError
 from .common import add_model_placement_arguments, load_model_from_args
 
 RANDOM_HEAD_SEED = 0
+METHODS = ("plain", "eagle", "ngram")
+NOT_YET = ("medusa", "draft", "eagle+ngram")  # issue 12's other drafters
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -27,11 +30,18 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     p.add_argument("--model", metavar="PATH", help="a .gguf file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
     add_model_placement_arguments(p)
-    p.add_argument("--method", choices=("plain", "eagle"), default="eagle")
+    p.add_argument("--method", choices=METHODS + NOT_YET, default="eagle",
+                   help="the drafter: plain (none), eagle (an EAGLE head), ngram (prompt lookup over the "
+                        "request's own tokens) (default %(default)s)")
     p.add_argument("--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)")
     p.add_argument("--tree", default="adaptive",
                    help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default %(default)s: "
-                        "depth and size chosen each step from this machine's measured costs)")
+                        "depth and size chosen each step from this machine's measured costs); for ngram, TOPK "
+                        "bounds the branches (earlier occurrences of the matched n-gram)")
+    p.add_argument("--ngram-max", type=int, default=4, metavar="N", help="ngram: longest suffix n-gram looked up "
+                   "(default %(default)s)")
+    p.add_argument("--ngram-min", type=int, default=1, metavar="N", help="ngram: shortest suffix n-gram looked up "
+                   "(default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
@@ -48,8 +58,15 @@ def run(args) -> int:
     from ..engine import Engine, Request, SamplingParams, join_errors
 
     # everything checkable without the model first: bad flags fail fast
+    if args.method in NOT_YET:
+        raise InvalidRequestError(f"--method {args.method} is not implemented yet (available: {', '.join(METHODS)})")
     prompts, rejected = read_prompts(args)  # rejected: {index: why} of prompts that cannot run
     tree = TreeSpec.parse(args.tree)
+    drafter = None
+    if args.method == "ngram":
+        from ..drafters.ngram import NgramDrafter
+
+        drafter = NgramDrafter(max_n=args.ngram_max, min_n=args.ngram_min)
     params = [SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i, args.max_new_tokens)
               for i in range(len(prompts))]
     params[0].validate()
@@ -61,6 +78,10 @@ def run(args) -> int:
         raise InvalidRequestError(join_errors(list(rejected.values())))
     model, tokenizer = load_model_from_args(args)
     head = load_eagle_head(args, model) if args.method == "eagle" else None
+    if drafter is None:
+        from ..drafters import EagleDrafter, PlainDrafter
+
+        drafter = EagleDrafter(head) if head is not None else PlainDrafter()
     requests = {}
     for i, (text, p) in enumerate(zip(prompts, params)):
         if i not in rejected:
@@ -70,7 +91,7 @@ def run(args) -> int:
                 rejected[i] = f"request {i}: {e}"
     if not requests:
         raise InvalidRequestError(join_errors([rejected[i] for i in sorted(rejected)]))
-    engine = Engine(model, tokenizer, head=head, tree=tree, batch_size=args.batch_size,
+    engine = Engine(model, tokenizer, drafter=drafter, tree=tree, batch_size=args.batch_size,
                     max_seq_len=args.max_seq_len)
     for i, req in list(requests.items()):
         try:
@@ -94,7 +115,8 @@ def run(args) -> int:
         return 130
     finally:
         sink.close()
-    label = "plain" if head is None else f"eagle-{head.version} {tree}"
+    label = {"plain": "plain", "ngram": f"ngram:{args.ngram_min}-{args.ngram_max} {tree}"}.get(
+        args.method, f"eagle-{head.version} {tree}" if head is not None else "")
     print(f"\n== {label}, batch size {args.batch_size} ==")
     print(stats.summary())
     return 1 if sink.failed else 0

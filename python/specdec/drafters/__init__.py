@@ -1,14 +1,16 @@
 """Drafters: what proposes each step's draft tree to the engine (specdec.engine).
 
-    from specdec.drafters import PlainDrafter, EagleDrafter
-    engine = Engine(model, tok, drafter=EagleDrafter(head), tree="dynamic:5,8,32")
+    from specdec.drafters import PlainDrafter, EagleDrafter, NgramDrafter
+    engine = Engine(model, tok, drafter=NgramDrafter(max_n=4, min_n=1), tree="chain:6")
 
 base.py holds the interface (`Drafter`, `Proposal`); one module per drafter. Names are
-imported lazily (drafting.py imports base.py, and the EAGLE drafter imports drafting.py).
+imported lazily: a drafter's module (the EAGLE one imports the head, drafting and the ops)
+loads only when it is used.
 """
 import importlib
 
-_LAZY = {"Drafter": "base", "Proposal": "base", "PlainDrafter": "plain", "EagleDrafter": "eagle"}
+_LAZY = {"Drafter": "base", "Proposal": "base", "PlainDrafter": "plain", "EagleDrafter": "eagle",
+         "NgramDrafter": "ngram"}
 
 __all__ = sorted(_LAZY)
 
