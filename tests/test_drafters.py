@@ -13,7 +13,7 @@ from specdec.drafters import Drafter, NgramDrafter, PlainDrafter, Proposal
 from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
 from test_adaptive import CHEAP_VERIFY
-from test_engine import PROMPTS, oracle_head, run, same_distribution_pvalue, tiny_model
+from test_engine import PROMPTS, SAMPLING, oracle_head, run, same_distribution_pvalue, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -146,18 +146,21 @@ N_SEEDS = 2000
 REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
-def sampled_tokens(model, drafter, tree, **kw):
+def sampled_tokens(model, drafter, tree, params, **kw):
     eng = Engine(model, drafter=drafter, tree=tree, batch_size=250, max_seq_len=32, **kw)
-    reqs = [Request(REPEATING, SamplingParams(temperature=1.0, seed=s, max_new_tokens=3)) for s in range(N_SEEDS)]
+    reqs = [Request(REPEATING, SamplingParams(**params, seed=s, max_new_tokens=3)) for s in range(N_SEEDS)]
     results, stats = eng.generate(reqs)
     return torch.tensor([r.token_ids for r in results]), stats
 
 
-def test_sampled_drafters_follow_target():
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_sampled_drafters_follow_target(sampling):
     model = tiny_model(vocab_size=16, layer_scale=0.01, seed=3)
-    plain, _ = sampled_tokens(model, PlainDrafter(), "chain:1")
-    for drafter, tree in ((NgramDrafter(), "dynamic:3,3,8"), (RandomTreeDrafter(), "dynamic:3,3,8")):
-        spec, stats = sampled_tokens(model, drafter, tree)
+    params = SAMPLING[sampling]
+    plain, _ = sampled_tokens(model, PlainDrafter(), "chain:1", params)
+    drafters = [(NgramDrafter(), "dynamic:3,3,8")] + [(RandomTreeDrafter(), "dynamic:3,3,8")] * (sampling == "t1")
+    for drafter, tree in drafters:
+        spec, stats = sampled_tokens(model, drafter, tree, params)
         assert same_distribution_pvalue(spec, plain) > 1e-3, drafter.name
         assert stats.mean_acceptance_length > 1.0, drafter.name  # drafts were accepted
 

@@ -11,6 +11,7 @@ finishes, so `start` must reset whatever the slot held):
     start(slots, ...)                  once, after the target's prefill and first token
     propose(slots, ...) -> Proposal    every speculative step
     commit(slots, ...)                 after every step (plain ones included), accepted path
+A drafter instance serves one engine (setup allocates its per-slot state for that engine).
 Exactness does not depend on the drafter: any tree is verified by tree_rejection_sample,
 which follows the target as long as draft_probs is the distribution each draft was drawn
 from (or None for deterministic drafts, point masses).

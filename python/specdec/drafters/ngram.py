@@ -133,15 +133,20 @@ class NgramDrafter(Drafter):
         larger, so a stable descending sort keeps every kept node's ancestors before it."""
         B, dev = len(rows), roots.device
         C = max(len(r[0]) for r in rows) - 1  # candidates (drafts) of the widest row
-        values = torch.full((B, C), -1.0)  # -1: padding, ranked last
         conf = torch.ones(B, C + 1)
+        depth = torch.zeros(B, C + 1, dtype=torch.long)
         for b, (tok, par, dep, cnt) in enumerate(rows):
+            conf[b, 1:len(tok)] = torch.tensor([cnt[i] / cnt[par[i]] for i in range(1, len(tok))])
+            depth[b, :len(tok)] = torch.tensor(dep)
+        local = torch.ones(B, C + 1)  # the policy's P(accepted | parent accepted), per node
+        for d in range(1, int(depth.max()) + 1):
+            at = depth == d
+            local[at] = policy.node_value(None, conf[at].log(), depth=d).float()
+        values = torch.full((B, C), -1.0)  # -1: padding, ranked last
+        for b, (tok, par, _, _) in enumerate(rows):
             v = [1.0] * len(tok)
-            for i in range(1, len(tok)):
-                c = cnt[i] / cnt[par[i]]
-                conf[b, i] = c
-                local = float(policy.node_value(None, torch.tensor([c]).log(), depth=dep[i])[0])
-                v[i] = v[par[i]] * local
+            for i, p in enumerate(local[b, :len(tok)].tolist()[1:], 1):
+                v[i] = v[par[i]] * p
             values[b, :len(tok) - 1] = torch.tensor(v[1:])
         levels = max(max(r[2]) for r in rows)
         N = policy.size(values.clamp(min=0), levels) if C else 0
