@@ -59,7 +59,9 @@ def _jit_load() -> None:
 
 def compiled_library_path() -> str | None:
     """Path of the AOT library next to this package, or None."""
-    built = sorted(glob.glob(os.path.join(_HERE, "_C*.so")) + glob.glob(os.path.join(_HERE, "_C*.pyd")))
+    built = sorted(
+        glob.glob(os.path.join(_HERE, "_C*.so")) + glob.glob(os.path.join(_HERE, "_C*.pyd"))
+    )
     return built[0] if built else None
 
 

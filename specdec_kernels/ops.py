@@ -2,7 +2,8 @@
 
 Each function validates through the C++ checks (so every backend is protected the
 same way) and runs one backend:
-  "cpp"        torch.ops.specdec.<op>: the C++ CPU kernel on CPU tensors, the CUDA C++ kernel on CUDA tensors
+  "cpp"        torch.ops.specdec.<op>: the C++ CPU kernel on CPU tensors, the CUDA C++ kernel
+               on CUDA tensors
   "triton"     the Triton kernel (GPU, or CPU tensors under TRITON_INTERPRET=1)
   "reference"  the plain PyTorch reference (specdec_kernels.reference)
 backend=None picks $SPECDEC_BACKEND if set, else "cpp" (see envs.py).
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import types
 from collections.abc import Sequence
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
 from . import envs, reference
 
 Backend = Literal["cpp", "triton", "reference"]
-Generator = Union[torch.Generator, Sequence[torch.Generator], None]
+Generator = torch.Generator | Sequence[torch.Generator] | None
 
 BACKENDS: tuple[str, ...] = ("cpp", "triton", "reference")
 
@@ -161,7 +162,9 @@ def tree_rejection_sample(
         decision consumes.
     """
     if target_logits.dim() != 3:  # the defaults below need B; same wording as the C++ check
-        raise RuntimeError(f"target_logits must be [B, T, V], got shape {list(target_logits.shape)}")
+        raise RuntimeError(
+            f"target_logits must be [B, T, V], got shape {list(target_logits.shape)}"
+        )
     B, T, _ = target_logits.shape
     dev = target_logits.device
     if temperature is None:
@@ -172,8 +175,17 @@ def tree_rejection_sample(
         top_p = torch.ones(B, device=dev)
     if uniforms is None:
         uniforms = make_uniforms(B, T, dev, generator)
-    args = (target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
-            uniforms)
+    args = (
+        target_logits,
+        draft_tokens,
+        parents,
+        num_nodes,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        uniforms,
+    )
     backend = _backend(backend)
     if backend == "cpp":
         return torch.ops.specdec.tree_rejection_sample(*args)

@@ -2,7 +2,7 @@
 
 They are the test oracle (called on float64 inputs) and the "naive PyTorch"
 baseline of the microbenchmarks (called on the benchmark's own dtypes). They are
-written for readability, following the contract in the README word for word;
+written for readability, following the contract in docs/ops.md word for word;
 they do not validate their inputs (the public wrappers do, through C++).
 """
 
@@ -25,7 +25,8 @@ __all__ = [
 
 # --------------------------------------------------------------------------- masks
 def build_tree_mask(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor]:
-    """parents: [B, T] int, num_nodes: [B] int -> (tree_mask: [B, T, ceil(T/64)] int64, depth: [B, T] int32).
+    """parents: [B, T] int, num_nodes: [B] int
+    -> (tree_mask: [B, T, ceil(T/64)] int64, depth: [B, T] int32).
 
     Bit j of row i is set iff node j is node i or one of its ancestors; rows of
     padded nodes (i >= num_nodes[b]) are all zero and have depth 0.

@@ -3,10 +3,10 @@
 measures device time on CUDA.
 
     from specdec_kernels.testing import random_trees, random_block_table, time_fn, rotated_inputs
-    parents, num_nodes = random_trees(B, T, "bushy")                          # [B, T], [B]
-    ms = time_fn(lambda: op(*args), warmup=3, iters=10) * 1e3                  # same inputs every call
-    sets = rotated_inputs(args, touched_bytes, device)                         # copies that defeat L2
-    ms = time_fn(op, warmup=3, iters=50, device=device, inputs=sets) * 1e3     # call i: op(*sets[i % n])
+    parents, num_nodes = random_trees(B, T, "bushy")                      # [B, T], [B]
+    ms = time_fn(lambda: op(*args), warmup=3, iters=10) * 1e3              # same inputs every call
+    sets = rotated_inputs(args, touched_bytes, device)                     # copies that defeat L2
+    ms = time_fn(op, warmup=3, iters=50, device=device, inputs=sets) * 1e3  # op(*sets[i % n])
 
 On CUDA every call is timed with its own pair of CUDA events and the median is taken.
 A spin kernel queued before each group of calls lets the host enqueue the whole group
@@ -20,7 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -40,8 +40,8 @@ __all__ = [
     "value_checks_run",
 ]
 
-Device = Union[torch.device, str, None]
-Inputs = Union[Sequence[Sequence[Any]], Callable[[int], Sequence[Any]], None]
+Device = torch.device | str | None
+Inputs = Sequence[Sequence[Any]] | Callable[[int], Sequence[Any]] | None
 
 
 # --------------------------------------------------------------------------- trees and caches
@@ -57,7 +57,11 @@ def random_parents(T: int, n: int, kind: str, gen: torch.Generator | None = None
         elif kind == "star":
             p[i] = 0
         elif kind == "deep":  # mostly a chain with a few side branches
-            p[i] = i - 1 if torch.rand(1, generator=gen) < 0.8 else int(torch.randint(0, i, (1,), generator=gen))
+            p[i] = (
+                i - 1
+                if torch.rand(1, generator=gen) < 0.8
+                else int(torch.randint(0, i, (1,), generator=gen))
+            )
         elif kind == "bushy":  # wide and shallow: parents among the first few nodes
             p[i] = int(torch.randint(0, max(1, min(i, 1 + i // 4)), (1,), generator=gen))
         else:
@@ -76,8 +80,9 @@ def random_trees(
         n = torch.full((B,), T, dtype=torch.int32)
     else:
         n = torch.randint(1, T + 1, (B,), generator=gen, dtype=torch.int32)
-    parents = torch.stack([random_parents(T, int(n[b]), kind if kind != "single" else "chain", gen)
-                           for b in range(B)])
+    parents = torch.stack(
+        [random_parents(T, int(n[b]), kind if kind != "single" else "chain", gen) for b in range(B)]
+    )
     return parents, n
 
 
@@ -148,8 +153,10 @@ def _time_cuda(call, start_index, iters):
     for first in range(0, iters, EVENT_GROUP):
         n = min(EVENT_GROUP, iters - first)
         _spin(min(MAX_SPIN_S, 1.5 * n * wall_per_call + 5e-4))
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(n)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(n)
+        ]
         for start, end in events:
             start.record()
             call(i)
@@ -161,7 +168,11 @@ def _time_cuda(call, start_index, iters):
 
 
 def time_fn(
-    fn: Callable[..., Any], warmup: int = 3, iters: int = 10, device: Device = None, inputs: Inputs = None
+    fn: Callable[..., Any],
+    warmup: int = 3,
+    iters: int = 10,
+    device: Device = None,
+    inputs: Inputs = None,
 ) -> float:
     """Median time of one call in seconds.
 
@@ -212,7 +223,9 @@ def _nbytes(args):
     return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
 
 
-def rotated_inputs(args: Sequence[Any], touched_bytes: int, device: Device) -> list[tuple[Any, ...]]:
+def rotated_inputs(
+    args: Sequence[Any], touched_bytes: int, device: Device
+) -> list[tuple[Any, ...]]:
     """[args, copy 1, copy 2, ...]: rotation_count copies of the argument tuple (tensors cloned,
     anything else shared). Copies are bitwise equal, so every call does the same work."""
     n = rotation_count(touched_bytes, _nbytes(args), device)
