@@ -21,8 +21,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BenchRun, bench_parser, goal_status, rotated_inputs, time_fn  # noqa: E402
+from common import BenchRun, bench_parser, goal_status  # noqa: E402
+
 import specdec_kernels as sk  # noqa: E402
+from specdec_kernels.testing import rotated_inputs, time_fn  # noqa: E402
 
 L, HKV, D, BS = 32, 8, 128, 16
 TREES = ((8, 4), (64, 8))  # (T, accepted nodes including the root)

@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import BenchRun, bench_parser, goal_status, rotated_inputs, time_fn  # noqa: E402
+from common import BenchRun, bench_parser, goal_status  # noqa: E402
+
 import specdec_kernels as sk  # noqa: E402
-from trees import random_trees  # noqa: E402
+from specdec_kernels.testing import random_trees, rotated_inputs, time_fn  # noqa: E402
 
 # mode: (temperature, top_k, top_p, with draft_probs)
 MODES = {"greedy": (0.0, 0, 1.0, False), "top_k50": (0.8, 50, 1.0, False),

@@ -24,10 +24,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import BenchRun, bench_parser, free_device_bytes, goal_status, rotated_inputs, time_fn  # noqa: E402
-import specdec_kernels as sk  # noqa: E402
+from common import BenchRun, bench_parser, goal_status  # noqa: E402
 from flashinfer_tree import flashinfer_tree_verify  # noqa: E402
-from trees import random_block_table, random_trees  # noqa: E402
+
+import specdec_kernels as sk  # noqa: E402
+from specdec_kernels.testing import (  # noqa: E402
+    free_device_bytes,
+    random_block_table,
+    random_trees,
+    rotated_inputs,
+    time_fn,
+)
 
 HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -114,11 +114,9 @@ SANITIZE_PY="$OUT/sanitize_ops.py"
 cat >"$SANITIZE_PY" <<'EOF'
 """One small call of each CUDA C++ op, covering the split-K + merge path of tree_verify,
 sampling with top-k / top-p and draft_probs, and a multi-layer compact_kv."""
-import sys
-sys.path.insert(0, "tests")
 import torch
 import specdec_kernels as sk
-from trees import random_block_table, random_trees
+from specdec_kernels.testing import random_block_table, random_trees
 
 torch.manual_seed(0)
 dev = "cuda"

@@ -21,6 +21,9 @@ def cell(column, value):
 def render(path):
     with open(path) as f:
         data = json.load(f)
+    if "meta" not in data or "rows" not in data:  # e2e*.json: written by `specdec bench`
+        print(f"skipped {path}: not a microbenchmark result", file=sys.stderr)
+        return
     meta, rows = data["meta"], data["rows"]
     machine = meta["machine"]
     where = machine.get("gpu") or f"{machine['cpu']}, {machine['torch_threads']} thread(s)"

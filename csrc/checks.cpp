@@ -1,5 +1,6 @@
 #include "checks.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -98,13 +99,15 @@ void check_block_table_values(const at::Tensor& block_table, const at::Tensor& e
 
 }  // namespace
 
+// Process-wide SPECDEC_VALIDATE: set by the Python loader (specdec_kernels.envs) through
+// torch.ops.specdec._set_validate, so the C++ and Triton backends read one value.
+static std::atomic<bool> g_validate{false};
+
+void set_validate(bool enabled) { g_validate.store(enabled, std::memory_order_relaxed); }
+
 bool should_check_values(const at::Tensor& t) {
   if (t.device().is_cpu()) return true;
-  static const bool enabled = [] {
-    const char* v = std::getenv("SPECDEC_VALIDATE");
-    return v != nullptr && std::strcmp(v, "0") != 0 && std::strlen(v) > 0;
-  }();
-  return enabled;
+  return g_validate.load(std::memory_order_relaxed);
 }
 
 at::Tensor as_index(const at::Tensor& t) {

@@ -24,6 +24,8 @@ constexpr double kMaxSmScale = 65536.0;
 
 // True when data-dependent checks should run for tensors on `t`'s device.
 bool should_check_values(const at::Tensor& t);
+// Turns the CUDA value checks on or off for the whole process (SPECDEC_VALIDATE).
+void set_validate(bool enabled);
 
 // Contiguous int32 copy (or the tensor itself) of an integer index tensor.
 at::Tensor as_index(const at::Tensor& t);

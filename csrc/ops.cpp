@@ -191,4 +191,7 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
 }
 #endif
 
+// The loader passes specdec_kernels.envs.SPECDEC_VALIDATE here right after loading the library.
+TORCH_LIBRARY_FRAGMENT(specdec, m) { m.def("_set_validate(bool enabled) -> ()", &set_validate); }
+
 }  // namespace specdec

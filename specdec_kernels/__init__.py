@@ -1,9 +1,14 @@
 """specdec_kernels: exact, fast speculative-decoding ops as torch custom ops.
 
-Importing this package registers torch.ops.specdec.{build_tree_mask, tree_verify,
-tree_rejection_sample, compact_kv} (AOT library, or a JIT build from a checkout).
+Importing this package loads the compiled library (once per process), which registers
+torch.ops.specdec.{build_tree_mask, tree_verify, tree_rejection_sample, compact_kv}.
+Without a compiled library the import raises ImportError saying how to build it, unless
+SPECDEC_JIT=1 asks for a JIT build (see envs.py for every environment variable and
+docs/ops.md for the op contract).
 """
-from ._library import load_library
+
+from . import envs
+from ._library import load_library, set_validate, validate_enabled
 
 load_library()
 
@@ -21,8 +26,12 @@ __all__ = [
     "BACKENDS",
     "build_tree_mask",
     "compact_kv",
+    "envs",
+    "load_library",
     "make_uniforms",
     "reference",
+    "set_validate",
     "tree_rejection_sample",
     "tree_verify",
+    "validate_enabled",
 ]

@@ -1,27 +1,48 @@
-"""Loads the compiled specdec library into torch.ops.specdec.
+"""Loads the compiled specdec library into torch.ops.specdec, once per process.
 
-AOT: `pip install .` leaves specdec_kernels/_C*.so next to this file.
-JIT: with SPECDEC_JIT=1, or when no compiled library is found (a plain checkout),
-the sources are compiled with ninja through torch.utils.cpp_extension.load, into
-SPECDEC_BUILD_DIR if set (else torch's default extension cache).
+AOT: ``pip install .`` (or ``python setup.py build_ext --inplace``) leaves
+``specdec_kernels/_C*.so`` next to this file, and that is what gets loaded.
+JIT: with ``SPECDEC_JIT=1`` the sources are compiled with ninja through
+``torch.utils.cpp_extension.load`` instead, into ``SPECDEC_BUILD_DIR`` if set (else torch's
+extension cache). A missing library without ``SPECDEC_JIT=1`` is an ImportError that says
+how to build it: importing never starts a build by surprise.
+
+The getters are cached (``functools.cache``, as FlashInfer's module getters): the first
+call loads, later calls return the same answer.
 """
+
+from __future__ import annotations
+
+import functools
 import glob
 import os
 
 import torch
 
-from . import _build
+from . import _build, envs
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_loaded = None
+
+_MISSING = """specdec_kernels: no compiled library (_C*.so) in {here}.
+Build it in one of these ways:
+  pip install --no-build-isolation .                    # AOT, from the repository root
+  python setup.py build_ext --inplace                   # AOT, in place in a checkout
+  SPECDEC_JIT=1 python -c "import specdec_kernels"      # JIT: compile with ninja at import
+(or run `make test` / `make demo` from the repository root, which do the first)."""
+
+_STALE = """specdec_kernels: the compiled library {path} has no op specdec::_set_validate:
+it was built from older sources. Rebuild it (pip install --no-build-isolation ., or
+python setup.py build_ext --inplace), or set SPECDEC_JIT=1."""
+
+_validate = False
 
 
-def _jit_load():
+def _jit_load() -> None:
     from torch.utils.cpp_extension import load
 
     with_cuda = _build.want_cuda()
     sources = _build.cpp_sources() + (_build.cuda_sources() if with_cuda else [])
-    build_dir = os.environ.get("SPECDEC_BUILD_DIR")
+    build_dir = envs.SPECDEC_BUILD_DIR
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
     load(
@@ -32,20 +53,54 @@ def _jit_load():
         extra_include_paths=_build.include_dirs(),
         build_directory=build_dir,
         is_python_module=False,
-        verbose=os.environ.get("SPECDEC_VERBOSE_BUILD", "0") not in ("", "0"),
+        verbose=envs.SPECDEC_VERBOSE_BUILD,
     )
-    return "jit"
 
 
-def load_library():
-    """Idempotently registers torch.ops.specdec.*; returns "aot" or "jit"."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
-    built = glob.glob(os.path.join(_HERE, "_C*.so")) + glob.glob(os.path.join(_HERE, "_C*.pyd"))
-    if os.environ.get("SPECDEC_JIT", "0") not in ("", "0") or not built:
-        _loaded = _jit_load()
+def compiled_library_path() -> str | None:
+    """Path of the AOT library next to this package, or None."""
+    built = sorted(
+        glob.glob(os.path.join(_HERE, "_C*.so")) + glob.glob(os.path.join(_HERE, "_C*.pyd"))
+    )
+    return built[0] if built else None
+
+
+@functools.cache
+def load_library() -> str:
+    """Registers torch.ops.specdec.* (once per process); returns "aot" or "jit".
+
+    Raises ImportError when there is no compiled library and SPECDEC_JIT is not set.
+    """
+    if envs.SPECDEC_JIT:
+        _jit_load()
+        how, path = "jit", "the JIT build"
     else:
-        torch.ops.load_library(built[0])
-        _loaded = "aot"
-    return _loaded
+        path = compiled_library_path()
+        if path is None:
+            raise ImportError(_MISSING.format(here=_HERE))
+        torch.ops.load_library(path)
+        how = "aot"
+    if not hasattr(torch.ops.specdec, "_set_validate"):
+        raise ImportError(_STALE.format(path=path))
+    set_validate(envs.SPECDEC_VALIDATE)
+    return how
+
+
+def set_validate(enabled: bool) -> None:
+    """Turns the value checks on CUDA tensors on or off for the whole process, in every
+    backend (the C++ flag and the Triton backend's read the same value). The initial value
+    is ``SPECDEC_VALIDATE``, read when the library loads."""
+    global _validate
+    torch.ops.specdec._set_validate(bool(enabled))
+    _validate = bool(enabled)
+
+
+def validate_enabled() -> bool:
+    """Whether the value checks run on CUDA tensors (they always run on CPU tensors)."""
+    return _validate
+
+
+def value_checks_run(device: torch.device) -> bool:
+    """Whether ops on tensors of ``device`` check index values: always on CPU, on CUDA only
+    with SPECDEC_VALIDATE (set_validate)."""
+    return device.type == "cpu" or _validate

@@ -2,40 +2,59 @@
 
 Each function validates through the C++ checks (so every backend is protected the
 same way) and runs one backend:
-  "cpp"        torch.ops.specdec.<op>: the C++ CPU kernel on CPU tensors, the CUDA C++ kernel on CUDA tensors
+  "cpp"        torch.ops.specdec.<op>: the C++ CPU kernel on CPU tensors, the CUDA C++ kernel
+               on CUDA tensors
   "triton"     the Triton kernel (GPU, or CPU tensors under TRITON_INTERPRET=1)
   "reference"  the plain PyTorch reference (specdec_kernels.reference)
-backend=None picks $SPECDEC_BACKEND if set, else "cpp".
+backend=None picks $SPECDEC_BACKEND if set, else "cpp" (see envs.py).
+
+Shapes are written ``name: [B, T, Hq, D] dtype``: B requests, T tree nodes (padded),
+Hq / Hkv query / KV heads, D head size, V vocabulary size, L layers.
 """
-import os
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
-from . import reference
+from . import envs, reference
 
-BACKENDS = ("cpp", "triton", "reference")
+Backend = Literal["cpp", "triton", "reference"]
+Generator = torch.Generator | Sequence[torch.Generator] | None
+
+BACKENDS: tuple[str, ...] = ("cpp", "triton", "reference")
 
 
-def _backend(backend):
-    backend = backend or os.environ.get("SPECDEC_BACKEND") or "cpp"
+def _backend(backend: str | None) -> str:
+    backend = backend or envs.SPECDEC_BACKEND or "cpp"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
 
 
-def _triton():
+def _triton() -> types.ModuleType:
     from . import triton as triton_kernels  # imported lazily: triton is optional
 
     return triton_kernels
 
 
-def build_tree_mask(parents, num_nodes, *, backend=None):
+def build_tree_mask(
+    parents: torch.Tensor, num_nodes: torch.Tensor, *, backend: Backend | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Ancestor bit masks and depths of padded draft trees.
 
-    parents: int32 [B, T] (parents[b, 0] == -1, 0 <= parents[b, i] < i);
-    num_nodes: int [B] in [1, T].
-    Returns tree_mask int64 [B, T, ceil(T/64)] (bit j of row i set iff node j is i
-    or an ancestor of i) and depth int32 [B, T] (use cache_lens + depth as RoPE positions).
+    Args:
+        parents: [B, T] int32 (or int64); parents[b, 0] == -1, 0 <= parents[b, i] < i.
+        num_nodes: [B] int32 (or int64), each in [1, T].
+        backend: "cpp", "triton" or "reference" (default $SPECDEC_BACKEND or "cpp").
+
+    Returns:
+        tree_mask: [B, T, ceil(T/64)] int64; bit j of row i set iff node j is i or an
+            ancestor of i (padded rows zero).
+        depth: [B, T] int32; use cache_lens + depth as RoPE positions.
     """
     backend = _backend(backend)
     if backend == "cpp":
@@ -46,15 +65,35 @@ def build_tree_mask(parents, num_nodes, *, backend=None):
     return reference.build_tree_mask(parents, num_nodes)
 
 
-def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale=None,
-                *, backend=None):
+def tree_verify(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    num_nodes: torch.Tensor,
+    tree_mask: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    backend: Backend | None = None,
+) -> torch.Tensor:
     """Tree attention of the verification pass over a paged KV cache.
 
-    q: [B, T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (Hq % Hkv == 0),
-    holding the prefix at logical positions < cache_lens[b] and tree node i at cache_lens[b] + i;
-    block_table: int32 [B, max_blocks]; cache_lens, num_nodes: int [B];
-    tree_mask: int64 [B, T, ceil(T/64)] from build_tree_mask; sm_scale defaults to D ** -0.5.
-    Returns [B, T, Hq, D] in q's dtype; rows i >= num_nodes[b] are zero.
+    Args:
+        q: [B, T, Hq, D] float32, float16 or bfloat16.
+        k_cache: [num_blocks, block_size, Hkv, D], q's dtype, Hq % Hkv == 0; holds the
+            prefix at logical positions < cache_lens[b] and tree node i at cache_lens[b] + i.
+        v_cache: [num_blocks, block_size, Hkv, D], like k_cache.
+        block_table: [B, max_blocks] int32 (or int64); logical position p of request b is
+            row p % block_size of block block_table[b, p // block_size].
+        cache_lens: [B] int32 (or int64), the prefix length of each request.
+        num_nodes: [B] int32 (or int64), valid tree nodes per request.
+        tree_mask: [B, T, ceil(T/64)] int64, from build_tree_mask.
+        sm_scale: softmax scale, default D ** -0.5.
+        backend: "cpp", "triton" or "reference" (default $SPECDEC_BACKEND or "cpp").
+
+    Returns:
+        [B, T, Hq, D] in q's dtype; rows i >= num_nodes[b] are zero.
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
@@ -68,11 +107,14 @@ def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_ma
     return reference.tree_verify(*args)
 
 
-def make_uniforms(B, T, device, generator=None):
-    """uniforms float32 [B, T + 1] in [0, 1).
+def make_uniforms(
+    B: int, T: int, device: torch.device | str, generator: Generator = None
+) -> torch.Tensor:
+    """The uniforms of tree_rejection_sample: [B, T + 1] float32 in [0, 1), on device.
 
-    generator: None (global RNG), a torch.Generator, or a list of B generators
-    (one stream per request, so a request's samples do not depend on its batch).
+    Args:
+        generator: None (global RNG), a torch.Generator, or a list of B generators
+            (one stream per request, so a request's samples do not depend on its batch).
     """
     if isinstance(generator, (list, tuple)):
         if len(generator) != B:
@@ -82,22 +124,47 @@ def make_uniforms(B, T, device, generator=None):
     return torch.rand(B, T + 1, generator=generator, device=device)
 
 
-def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft_probs=None,
-                          temperature=None, top_k=None, top_p=None, uniforms=None, *,
-                          generator=None, backend=None):
+def tree_rejection_sample(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+    *,
+    generator: Generator = None,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact speculative acceptance over a batch of draft trees (chains are trees).
 
-    target_logits: [B, T, V] (the target's logits at each node); draft_tokens: int [B, T];
-    parents: int32 [B, T]; num_nodes: int [B]; draft_probs: [B, T, V] or None (point-mass drafts);
-    temperature: float [B] (0 = greedy, default 0); top_k: int [B] (0 = off, default);
-    top_p: float [B] (1 = off, default); uniforms: float [B, T + 1] in [0, 1), drawn with
-    `generator` (see make_uniforms) when None.
-    Returns (accepted_nodes int32 [B, T], num_accepted int32 [B], output_tokens int32 [B, T]),
-    padded with -1; see reference.tree_rejection_sample for the exact rule and which
-    uniform each decision consumes.
+    Args:
+        target_logits: [B, T, V] float, the target's logits at each node.
+        draft_tokens: [B, T] int32 (or int64), each node's token (node 0 unused).
+        parents: [B, T] int32 (or int64), as in build_tree_mask.
+        num_nodes: [B] int32 (or int64).
+        draft_probs: [B, T, V] float, the draft distribution at each node from which its
+            children were sampled, or None for point-mass (top-k) drafts.
+        temperature: [B] float, 0 = greedy (default all 0).
+        top_k: [B] int, 0 = off (default).
+        top_p: [B] float, 1.0 = off (default).
+        uniforms: [B, T + 1] float in [0, 1); drawn with `generator` (make_uniforms) when None.
+        generator: see make_uniforms.
+        backend: "cpp", "triton" or "reference" (default $SPECDEC_BACKEND or "cpp").
+
+    Returns:
+        accepted_nodes: [B, T] int32, the accepted root path starting at 0, then -1.
+        num_accepted: [B] int32, accepted drafts (root excluded).
+        output_tokens: [B, T] int32, the accepted draft tokens then the bonus token, then -1.
+        See reference.tree_rejection_sample for the exact rule and which uniform each
+        decision consumes.
     """
     if target_logits.dim() != 3:  # the defaults below need B; same wording as the C++ check
-        raise RuntimeError(f"target_logits must be [B, T, V], got shape {list(target_logits.shape)}")
+        raise RuntimeError(
+            f"target_logits must be [B, T, V], got shape {list(target_logits.shape)}"
+        )
     B, T, _ = target_logits.shape
     dev = target_logits.device
     if temperature is None:
@@ -108,8 +175,17 @@ def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft
         top_p = torch.ones(B, device=dev)
     if uniforms is None:
         uniforms = make_uniforms(B, T, dev, generator)
-    args = (target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
-            uniforms)
+    args = (
+        target_logits,
+        draft_tokens,
+        parents,
+        num_nodes,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        uniforms,
+    )
     backend = _backend(backend)
     if backend == "cpp":
         return torch.ops.specdec.tree_rejection_sample(*args)
@@ -119,14 +195,30 @@ def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft
     return reference.tree_rejection_sample(*args)
 
 
-def compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted, *,
-               backend=None):
+def compact_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+    *,
+    backend: Backend | None = None,
+) -> None:
     """In place, move the accepted path's KV to contiguous positions, all layers at once.
 
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D];
-    block_table: int32 [B, max_blocks]; cache_lens: int [B];
-    accepted_nodes: int [B, T] (root path, starting with 0, -1 padded); num_accepted: int [B].
-    Logical position cache_lens[b] + accepted_nodes[b, k] moves to cache_lens[b] + k.
+    Logical position cache_lens[b] + accepted_nodes[b, k] moves to cache_lens[b] + k,
+    k = 0 .. num_accepted[b].
+
+    Args:
+        k_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D],
+            modified in place.
+        v_cache: same shape and dtype as k_cache, modified in place.
+        block_table: [B, max_blocks] int32 (or int64).
+        cache_lens: [B] int32 (or int64).
+        accepted_nodes: [B, T] int32 (or int64), the root path starting with 0, -1 padded.
+        num_accepted: [B] int32 (or int64).
+        backend: "cpp", "triton" or "reference" (default $SPECDEC_BACKEND or "cpp").
     """
     args = (k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted)
     backend = _backend(backend)

@@ -2,11 +2,16 @@
 
 They are the test oracle (called on float64 inputs) and the "naive PyTorch"
 baseline of the microbenchmarks (called on the benchmark's own dtypes). They are
-written for readability, following the contract in the README word for word;
+written for readability, following the contract in docs/ops.md word for word;
 they do not validate their inputs (the public wrappers do, through C++).
 """
+
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
+
+Tensor = torch.Tensor
 
 __all__ = [
     "build_tree_mask",
@@ -19,8 +24,9 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- masks
-def build_tree_mask(parents, num_nodes):
-    """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32 [B, T]).
+def build_tree_mask(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor]:
+    """parents: [B, T] int, num_nodes: [B] int
+    -> (tree_mask: [B, T, ceil(T/64)] int64, depth: [B, T] int32).
 
     Bit j of row i is set iff node j is node i or one of its ancestors; rows of
     padded nodes (i >= num_nodes[b]) are all zero and have depth 0.
@@ -43,20 +49,29 @@ def build_tree_mask(parents, num_nodes):
     return mask.to(parents.device), depth.to(parents.device)
 
 
-def unpack_tree_mask(tree_mask, T):
-    """tree_mask int64 [B, T, W] -> bool [B, T, T] (entry [b, i, j] is bit j of row i)."""
+def unpack_tree_mask(tree_mask: Tensor, T: int) -> Tensor:
+    """tree_mask: [B, T, W] int64 -> [B, T, T] bool (entry [b, i, j] is bit j of row i)."""
     bits = torch.arange(64, device=tree_mask.device)
     unpacked = (tree_mask[..., None] >> bits) & 1  # [B, T, W, 64]
     return unpacked.flatten(-2)[..., :T].bool()
 
 
 # --------------------------------------------------------------------------- attention
-def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale):
+def tree_verify(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    num_nodes: Tensor,
+    tree_mask: Tensor,
+    sm_scale: float,
+) -> Tensor:
     """Gather + dense mask + SDPA.
 
     q: [B, T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-    block_table: int [B, max_blocks]; cache_lens, num_nodes: int [B];
-    tree_mask: int64 [B, T, ceil(T/64)]  ->  [B, T, Hq, D] in q's dtype.
+    block_table: [B, max_blocks] int; cache_lens, num_nodes: [B] int;
+    tree_mask: [B, T, ceil(T/64)] int64  ->  [B, T, Hq, D] in q's dtype.
     """
     B, T, Hq, D = q.shape
     num_blocks, bs, Hkv, _ = k_cache.shape
@@ -86,8 +101,13 @@ def tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_ma
 
 
 # --------------------------------------------------------------------------- sampling
-def process_logits(logits, temperature, top_k, top_p):
-    """logits [..., V] of one request -> the processed target distribution [..., V].
+def process_logits(
+    logits: Tensor,
+    temperature: float | Tensor,
+    top_k: int | Tensor,
+    top_p: float | Tensor,
+) -> Tensor:
+    """logits: [..., V] of one request -> the processed target distribution [..., V].
 
     temperature 0: one-hot on the argmax (ties to the lowest id). Otherwise
     softmax(logits / temperature), then top-k (keep t iff fewer than k tokens have a
@@ -122,14 +142,23 @@ def _sample(dist, u):
     return int(hit[0])
 
 
-def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft_probs,
-                          temperature, top_k, top_p, uniforms):
+def tree_rejection_sample(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    parents: Tensor,
+    num_nodes: Tensor,
+    draft_probs: Tensor | None,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    uniforms: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Exact multi-draft speculative sampling over trees (SpecInfer / EAGLE rule).
 
-    target_logits: [B, T, V]; draft_tokens, parents: int [B, T]; num_nodes: int [B];
+    target_logits: [B, T, V]; draft_tokens, parents: [B, T] int; num_nodes: [B] int;
     draft_probs: [B, T, V] or None (deterministic drafts: point masses);
-    temperature, top_p: float [B]; top_k: int [B]; uniforms: float [B, T + 1] in [0, 1).
-    -> accepted_nodes int32 [B, T], num_accepted int32 [B], output_tokens int32 [B, T].
+    temperature, top_p: [B] float; top_k: [B] int; uniforms: [B, T + 1] float in [0, 1).
+    -> accepted_nodes: [B, T] int32, num_accepted: [B] int32, output_tokens: [B, T] int32.
 
     Uniform consumption: the acceptance test of draft node c uses uniforms[b, c];
     the bonus token uses uniforms[b, T]. At the current node u with residual r
@@ -193,7 +222,14 @@ def tree_rejection_sample(target_logits, draft_tokens, parents, num_nodes, draft
 
 
 # --------------------------------------------------------------------------- compaction
-def compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted):
+def compact_kv(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    accepted_nodes: Tensor,
+    num_accepted: Tensor,
+) -> None:
     """In place: move logical position cache_lens[b] + accepted_nodes[b, k] to cache_lens[b] + k.
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D].

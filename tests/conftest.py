@@ -11,9 +11,11 @@ import zlib
 import pytest
 import torch
 
+from specdec_kernels import envs
+
 
 def pytest_addoption(parser):
-    parser.addoption("--device", default=os.environ.get("SPECDEC_TEST_DEVICE", "cpu"),
+    parser.addoption("--device", default=envs.SPECDEC_TEST_DEVICE,
                      choices=["cpu", "cuda"], help="device the op tests run on")
 
 

@@ -1,12 +1,12 @@
 """build_tree_mask (cpp and triton backends) against the reference."""
-import os
 
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from trees import TREE_KINDS, random_trees
+from specdec_kernels.testing import TREE_KINDS, random_trees
+from specdec_kernels.testing import value_checks_run as _value_checks_run
 
 
 def _poison_padding(parents, num_nodes):
@@ -50,10 +50,6 @@ def test_chain_words(device, backend):
     assert mask[0, 63].tolist() == [-1, 0]
     assert mask[0, 64].tolist() == [-1, 1]
     assert depth[0].tolist() == list(range(65))
-
-
-def _value_checks_run(device):
-    return device.type == "cpu" or os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0")
 
 
 @pytest.mark.parametrize("case, match", [

@@ -127,11 +127,12 @@ def test_bad_input_is_one_error_line(case, tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_subprocess_entry_point():
+def test_subprocess_entry_point(tmp_path):
     roots = {os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (specdec, specdec_kernels)}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Hello!", *FAST],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tmp_path)  # `-m` puts the cwd first: not the checkout's sources
     assert proc.returncode == 0, proc.stderr
     assert "mean acceptance length" in proc.stdout
 

@@ -3,14 +3,14 @@
 compact_kv is a pure move, so results are compared bitwise: the kernel runs on the
 native dtype, the reference on float64 copies (exact for fp32 / fp16 / bf16).
 """
-import os
 
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from trees import random_block_table, random_trees
+from specdec_kernels.testing import random_block_table, random_trees
+from specdec_kernels.testing import value_checks_run as _value_checks_run
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -145,10 +145,6 @@ def test_int64_indices_and_wide_rows(device, backend):
     for name in ("block_table", "cache_lens", "accepted_nodes", "num_accepted"):
         p[name] = p[name].long()
     check_against_reference(p, backend)
-
-
-def _value_checks_run(device):
-    return device.type == "cpu" or os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0")
 
 
 def _set(name, index, value):

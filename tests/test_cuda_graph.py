@@ -7,14 +7,13 @@ kernels are deterministic and choose their launch shapes from tensor shapes only
 from values, which is what makes them capturable). The attention output is also checked
 against the reference, so that two equally wrong runs cannot pass.
 """
-import os
 
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from trees import random_block_table, random_trees
+from specdec_kernels.testing import random_block_table, random_trees
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs exist only on CUDA devices)"
@@ -92,7 +91,7 @@ def poison(outputs):
 
 
 def test_verify_step_replays_like_eager():
-    if os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0"):
+    if sk.validate_enabled():
         pytest.skip("SPECDEC_VALIDATE=1 reads index values on the host, which capture forbids")
     cuda = lambda x: {name: t.cuda() for name, t in x.items()}
     static = cuda(random_step())

@@ -4,14 +4,14 @@ Given the same uniforms the op is deterministic, so the kernels must reproduce t
 reference's accepted nodes and tokens exactly (the distributional exactness of the rule
 itself is checked in test_rejection_stats.py).
 """
-import os
 
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from trees import TREE_KINDS, random_trees
+from specdec_kernels.testing import TREE_KINDS, random_trees
+from specdec_kernels.testing import value_checks_run as _value_checks_run
 
 TEMPERATURES = (0.0, 0.5, 1.0, 2.0)
 TOP_PS = (1.0, 0.99999, 0.95, 0.7, 0.3, 0.05)
@@ -235,10 +235,6 @@ def test_single_node_samples_the_processed_root(device, backend):
         cdf = torch.cumsum(p, 0)
         want = int((cdf > float(args["uniforms"][b, 4]) * cdf[-1]).nonzero()[0])
         assert int(toks[b, 0]) == want
-
-
-def _value_checks_run(device):
-    return device.type == "cpu" or os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0")
 
 
 def _set(name, index, value):

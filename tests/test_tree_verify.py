@@ -3,14 +3,14 @@
 The reference runs in float64 on the same (already rounded) inputs, so the tolerances
 below only cover the kernel's float32 accumulation and the rounding of its output.
 """
-import os
 
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from trees import TREE_KINDS, random_block_table, random_trees
+from specdec_kernels.testing import TREE_KINDS, random_block_table, random_trees
+from specdec_kernels.testing import value_checks_run as _value_checks_run
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # atol = rtol
@@ -192,9 +192,6 @@ def test_negative_and_default_scale(device, backend):
 
 
 # --------------------------------------------------------------------------- bad inputs
-def _value_checks_run(device):
-    return device.type == "cpu" or os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0")
-
 
 def _bad(case_name, device):
     """A valid small case, then broken as named; returns the argument dict."""

@@ -13,6 +13,8 @@ import tempfile
 import torch
 from safetensors import safe_open
 
+from specdec_kernels import envs
+
 from .config import ModelArgs
 from .errors import ModelLoadError
 from .gguf_convert import convert_gguf
@@ -70,7 +72,7 @@ def _cpu_has_native_bf16() -> bool:
 
 
 def cache_root() -> str:
-    return os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
+    return envs.SPECDEC_CACHE_DIR
 
 
 def load_model(path: str | None = None, dtype=torch.float32, device="cpu") -> tuple[Transformer, Tokenizer]:

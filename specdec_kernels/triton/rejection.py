@@ -23,7 +23,6 @@ Every loop has a bound known on device; nothing syncs with the host. Uniform
 consumption matches the reference exactly (uniforms[b, c] for child c,
 uniforms[b, T] for the bonus), so all backends agree given the same uniforms.
 """
-import os
 from typing import Optional
 
 import torch
@@ -313,7 +312,9 @@ def _(target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature,
 def _check_values(device):
     """Like the C++ checks: value checks always on CPU, on CUDA only with SPECDEC_VALIDATE=1
     (they sync with the host)."""
-    return device.type == "cpu" or os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0")
+    from .._library import value_checks_run  # the process-wide flag C++ reads too
+
+    return value_checks_run(device)
 
 
 def _raise_on_bad_rows(bad_node):

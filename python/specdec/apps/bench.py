@@ -288,7 +288,7 @@ def add_arguments(p):
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baselines")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--output", default="benchmarks/e2e", metavar="PREFIX",
+    p.add_argument("--output", default="benchmarks/results/e2e", metavar="PREFIX",
                    help="writes PREFIX.json and PREFIX_*.png (default %(default)s)")
     p.add_argument("--no-plots", action="store_true")
 
