@@ -16,18 +16,13 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
+from specdec_kernels.testing import value_checks_run
 
 INT32_MAX = 2**31 - 1
 
 
-def _value_checks_run(device):
-    import os
-
-    return device.type == "cpu" or os.environ.get("SPECDEC_VALIDATE", "0") not in ("", "0")
-
-
 def _needs_value_checks(device):
-    if not _value_checks_run(device):
+    if not value_checks_run(device):
         pytest.skip("value checks on CUDA tensors run only with SPECDEC_VALIDATE=1 (documented)")
 
 
