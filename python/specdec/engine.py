@@ -494,6 +494,8 @@ class Engine:
         room = self.capacity - self.cache.cache_lens[slots]
         sampling = self._sampling(seqs)
         with timed(self.device, "draft", all_stats):
+            if self.policy is not None:
+                self.policy.batch = len(seqs)  # live occupancy: the costs of this step's batch
             if self.policy is not None and not self.policy.speculate():
                 d = root_only(roots)
             else:
