@@ -9,7 +9,10 @@ token after prefill is sampled the same way, on a one-node tree over the prefill
 adaptive mode (specdec.adaptive) a policy sizes each step's tree, or makes it a plain step.
 
 Requests advance together with different accepted lengths; a finished one (EOS, max
-tokens, stop string, full cache) frees its slot for the next queued request. Each request
+tokens, stop string, full cache) frees its slot for the next queued request. The engine is
+online: `submit(request) -> RequestHandle` queues a request at any time and `step()` runs one
+such step (admitting queued requests into free slots first); `generate()` and `stream()` are
+loops over it. Not thread-safe: submit and step from one thread. Each request
 has its own torch.Generator feeding its uniforms (and chain-draft samples), so what it
 generates does not depend on its batch-mates.
 """
