@@ -6,7 +6,7 @@ import torch
 from specdec.adaptive import MAX_PROBE, CostModel, Policy
 from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
-from test_engine import SAMPLING, first_tokens, oracle_head, run, same_distribution_pvalue, tiny_model
+from test_engine import PROMPTS, SAMPLING, first_tokens, oracle_head, run, same_distribution_pvalue, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -92,3 +92,61 @@ def test_sampled_adaptive_follows_target(small_vocab_model, sampling):
     spec = first_tokens(small_vocab_model, oracle_head(small_vocab_model), "adaptive:3,3,8", SAMPLING[sampling],
                         cost_model=CHEAP_VERIFY)
     assert same_distribution_pvalue(spec, plain) > 1e-3
+
+
+# live occupancy (issue 15): verifying a tree is nearly free for one request, but with four
+# requests in the batch every node costs as much as a whole forward (a compute-bound machine)
+LOAD = CostModel(4, [1, 2, 4, 10], [1.0, 2.0, 4.0, 10.0], [0.5, 1.0, 1.5, 2.0],
+                 others=[dict(batch_size=1, verify_tokens=[1, 2, 4, 10], verify_s=[0.25, 0.2525, 0.255, 0.2625],
+                              draft_s=[0.005, 0.01, 0.015, 0.02])])
+
+
+def test_cost_model_interpolates_over_batch_sizes():
+    assert LOAD.verify(4) == LOAD.verify(4, 4) == 4.0 and LOAD.verify(4, 1) == 0.255
+    assert LOAD.verify(4, 2) == pytest.approx(0.255 + (4.0 - 0.255) / 3)  # linear in the batch
+    assert LOAD.verify(4, 8) == 4.0 and LOAD.draft(2, 1) == 0.01 and LOAD.draft(2, 3) == pytest.approx(
+        0.01 + (1.0 - 0.01) * 2 / 3)
+    assert CHEAP_VERIFY.verify(4, 7) == CHEAP_VERIFY.verify(4)  # one batch size measured: that one
+
+
+def test_measure_covers_smaller_batch_sizes():
+    model = tiny_model()
+    cost = CostModel.measure(model, EagleHead.random(model, seed=0), SPEC, batch_size=8, repeats=1)
+    assert cost.batch_size == 8 and [o["batch_size"] for o in cost.others] == [1, 4]
+    assert cost.verify(1, 1) == cost.others[0]["verify_s"][0]
+
+
+def test_policy_follows_live_occupancy():
+    """Same values, same statistics: one request gets a big tree, a full batch a plain step;
+    and the plain / speculative decision follows the occupancy too."""
+    p = Policy(LOAD, SPEC)
+    v = p.node_value(None, torch.tensor([[0.9, 0.6, 0.3]]).log(), depth=1)
+    p.batch = 1
+    assert p.size(v, 1) == 3
+    p.batch = 4
+    assert p.size(v, 1) == 1 or p.size(v, 1) == 0
+    assert p.size(p.node_value(None, torch.tensor([[0.3, 0.05, 0.01]]).log(), depth=1), 1) == 0
+    # a head accepted half the time on 2-node chains: pays alone, not in a full batch
+    d = type("D", (), dict(tokens=torch.tensor([[5, 6]]), parents=torch.tensor([[-1, 0]], dtype=torch.int32),
+                           num_nodes=torch.tensor([2], dtype=torch.int32), confidence=torch.tensor([[1.0, 0.5]])))()
+    for i in range(40):
+        p.batch = 1 + 3 * (i % 2)  # the occupancy moved; the step's time is priced at its own
+        p.size(torch.tensor([[0.5]]), 1)
+        accepted = i % 2 == 0
+        p.observe(d, torch.tensor([[0, 1]]), torch.tensor([[0, 1 if accepted else -1]]),
+                  torch.tensor([int(accepted)]))
+    p.batch = 1
+    assert p.spec_rate() > p.plain_rate() and p.speculate()
+    p.batch = 4
+    assert p.spec_rate() < p.plain_rate() and not p.speculate()
+
+
+def test_engine_trees_shrink_under_load():
+    """The engine tells the policy the step's occupancy: a lone request verifies bigger trees
+    than the same request among three others; outputs stay exact either way."""
+    model = tiny_model()
+    lone, lone_stats = run(model, oracle_head(model), "adaptive:4,3,10", 4, cost_model=LOAD, prompts=PROMPTS[:1])
+    full, full_stats = run(model, oracle_head(model), "adaptive:4,3,10", 4, cost_model=LOAD)
+    plain, _ = run(model, None, "chain:1", 4)
+    assert full == plain and lone[0] == plain[0]
+    assert lone_stats.nodes_per_step > 2.0 and full_stats.nodes_per_step < 1.2

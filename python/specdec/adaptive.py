@@ -2,8 +2,12 @@
 machine at hand, and decode plainly when speculation does not pay.
 
 Cost (`CostModel`, measured once when the engine starts): seconds of a target verify forward
-as a function of the tree size T at the engine's batch size, and seconds of drafting as a
-function of the number of draft levels (the head over the frontier, its logits, top-k).
+as a function of the tree size T, and seconds of drafting as a function of the number of draft
+levels (the head over the frontier, its logits, top-k), at a few batch sizes (1 and the
+engine's batch_size, a middle one for large batches). Every choice below uses the costs at the
+step's live occupancy (the requests in the batch, `Policy.batch`, interpolated between the
+measured batch sizes): under load, when a bigger tree costs more than its drafts earn, the trees
+shrink and the steps go plain by themselves.
 
 Value (`Policy`, running): as EAGLE-2 observed, a draft node's confidence (the head's
 probability of its token) tracks its chance of being accepted. Per draft depth we keep the
@@ -14,8 +18,9 @@ Low-confidence (high-entropy) drafts thus get small trees, an over-confident hea
 temperature, an untrained head) gets its ratio pulled down by what is actually accepted.
 
 Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target forward):
- 1. plain or speculative: when the recent speculative rate (tokens per predicted second)
-    is below plain decoding's 1 / verify(1), the step is plain (no drafting at all); a probe
+ 1. plain or speculative: when the recent speculative rate (the recent steps' mean tokens
+    per predicted second of their mean tree at the live occupancy) is below plain decoding's
+    1 / verify(1), the step is plain (no drafting at all); a probe
     step every `probe` plain steps keeps the statistics fresh, and the probe interval doubles
     (up to MAX_PROBE) while probes lose;
  2. depth: another draft level is drafted only while its best case raises E / time;
@@ -24,7 +29,7 @@ Every step is an ordinary speculative step (exact for any tree), so the outputs 
 target exactly; only the speed depends on these choices.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,35 +45,62 @@ MIN_PROBE, MAX_PROBE = 4, 64
 @dataclass
 class CostModel:
     """verify_tokens / verify_s: seconds of one target forward over a batch of `batch_size`
-    trees of T nodes, at the measured T; draft_s[l - 1]: seconds of drafting l levels."""
+    trees of T nodes, at the measured T; draft_s[l - 1]: seconds of drafting l levels.
+    others: the same at other batch sizes, dicts with these four keys; verify() and draft()
+    given a batch interpolate linearly between the measured batch sizes (outside them: the
+    nearest one's costs)."""
 
     batch_size: int
     verify_tokens: list
     verify_s: list
     draft_s: list
+    others: list = field(default_factory=list)
 
-    def verify(self, T: int) -> float:
+    def verify(self, T: int, batch: int | None = None) -> float:
         """Linear interpolation (and extrapolation past the last point) in T."""
-        xs, ys = self.verify_tokens, self.verify_s
-        if T <= xs[0]:
-            return ys[0]
-        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-            if T <= x1:
-                return y0 + (y1 - y0) * (T - x0) / (x1 - x0)
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-        return ys[-1] + slope * (T - xs[-1])
+        return self._at(batch, lambda c: _verify(c["verify_tokens"], c["verify_s"], T))
 
-    def draft(self, levels: int) -> float:
-        if levels <= 0:
-            return 0.0
-        if levels <= len(self.draft_s):
-            return self.draft_s[levels - 1]
-        step = self.draft_s[-1] - self.draft_s[-2] if len(self.draft_s) > 1 else self.draft_s[-1]
-        return self.draft_s[-1] + step * (levels - len(self.draft_s))
+    def draft(self, levels: int, batch: int | None = None) -> float:
+        return self._at(batch, lambda c: _draft(c["draft_s"], levels))
+
+    def _at(self, batch, f) -> float:
+        mine = dict(batch_size=self.batch_size, verify_tokens=self.verify_tokens, verify_s=self.verify_s,
+                    draft_s=self.draft_s)
+        if batch is None or not self.others:
+            return f(mine)
+        curves = sorted([mine] + [o for o in self.others if o["batch_size"] != self.batch_size],
+                        key=lambda c: c["batch_size"])
+        if batch <= curves[0]["batch_size"]:
+            return f(curves[0])
+        for c0, c1 in zip(curves, curves[1:]):
+            b0, b1 = c0["batch_size"], c1["batch_size"]
+            if batch == b1:
+                return f(c1)
+            if batch < b1:
+                y0, y1 = f(c0), f(c1)
+                return y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
+        return f(curves[-1])
 
     @classmethod
     @torch.inference_mode()
-    def measure(cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3) -> "CostModel":
+    def measure(cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3,
+                batch_sizes=None) -> "CostModel":
+        """The costs at batch_size, with .others at batch_sizes (default: 1 and, from 8 on,
+        about half of batch_size; the policy interpolates between them for the live
+        occupancy). Each is measured by _measure_one, the others with one timed call per
+        size (after a warm-up call) to keep the engine's start-up short."""
+        if batch_sizes is None:
+            batch_sizes = {1} | ({1 << (batch_size.bit_length() - 2)} if batch_size >= 8 else set())
+        main = cls._measure_one(model, head, spec, batch_size, context, repeats)
+        for b in sorted(set(batch_sizes) - {batch_size}):  # one timed call each: start-up stays short
+            c = cls._measure_one(model, head, spec, b, context, 1)
+            main.others.append(dict(batch_size=b, verify_tokens=c.verify_tokens, verify_s=c.verify_s,
+                                    draft_s=c.draft_s))
+        return main
+
+    @classmethod
+    @torch.inference_mode()
+    def _measure_one(cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3) -> "CostModel":
         """Times the target over trees of 1, 2, 4, ... spec.total nodes and the drafter over
         1 .. spec.depth levels, at batch_size requests of `context` cached tokens (scratch
         caches; the cache contents do not change the time). Sizes whose verify costs more
@@ -107,6 +139,29 @@ class CostModel:
         return cls(B, sizes[:len(verify_s)], verify_s, draft_s)
 
 
+def _verify(xs, ys, T) -> float:
+    if T <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if T <= x1:
+            return y0 + (y1 - y0) * (T - x0) / (x1 - x0)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    return ys[-1] + slope * (T - xs[-1])
+
+
+def _draft(draft_s, levels) -> float:
+    if levels <= 0:
+        return 0.0
+    if levels != int(levels):  # a mean number of levels: linear between the neighbours
+        lo = int(levels)
+        return _draft(draft_s, lo) + (_draft(draft_s, lo + 1) - _draft(draft_s, lo)) * (levels - lo)
+    levels = int(levels)
+    if levels <= len(draft_s):
+        return draft_s[levels - 1]
+    step = draft_s[-1] - draft_s[-2] if len(draft_s) > 1 else draft_s[-1]
+    return draft_s[-1] + step * (levels - len(draft_s))
+
+
 def _median_time(fn, repeats: int, device) -> float:
     fn()  # warm-up
     times = []
@@ -129,16 +184,26 @@ class Policy:
         self.cost, self.spec = cost, spec
         self.accepted = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
         self.confidence = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
-        self.spec_tokens = self.spec_time = 0.0  # decayed sums over speculative steps
+        # decayed sums over speculative steps: steps, tokens per request, draft levels, nodes
+        self.spec_steps = self.spec_tokens = self.spec_levels = self.spec_nodes = 0.0
         self.plain_streak, self.probe = 0, MIN_PROBE
         self.levels = 0  # draft levels of the current step
+        self.batch = cost.batch_size  # live occupancy: the requests in this step (set by the engine)
 
     # ------------------------------------------------------------------ 1. plain or not
     def plain_rate(self) -> float:
-        return 1.0 / self.cost.verify(1)
+        """Tokens per second of a plain step at the live occupancy."""
+        return 1.0 / self.cost.verify(1, self.batch)
 
     def spec_rate(self) -> float:
-        return self.spec_tokens / self.spec_time if self.spec_time else float("inf")
+        """Recent speculative tokens per second at the live occupancy: the recent steps' mean
+        tokens over the cost, at this batch, of their mean draft levels and tree size (what
+        was accepted does not depend on the batch, what it cost does)."""
+        if not self.spec_steps:
+            return float("inf")
+        n = self.spec_steps
+        step_s = self.cost.draft(self.spec_levels / n, self.batch) + self.cost.verify(self.spec_nodes / n, self.batch)
+        return self.spec_tokens / n / step_s
 
     def speculate(self) -> bool:
         if self.spec_rate() >= self.plain_rate():
@@ -168,11 +233,12 @@ class Policy:
         """-> (rate, N): the best expected tokens per second over the N most likely
         candidates (sums from prefix_values), drafting `levels` levels; gain (with
         extra_nodes more nodes) is the optimistic value of one more level."""
-        draft = self.cost.draft(levels)
-        best_rate, best_n = 1.0 / (draft + self.cost.verify(1)), 0
+        B = self.batch
+        draft = self.cost.draft(levels, B)
+        best_rate, best_n = 1.0 / (draft + self.cost.verify(1, B)), 0
         for n in range(1, min(len(sums), self.spec.total - 1) + 1):
             T = min(n + extra_nodes, self.spec.total - 1) + 1
-            rate = (1.0 + sums[n - 1] + gain) / (draft + self.cost.verify(T))
+            rate = (1.0 + sums[n - 1] + gain) / (draft + self.cost.verify(T, B))
             if rate > best_rate:
                 best_rate, best_n = rate, n
         return best_rate, best_n
@@ -219,5 +285,7 @@ class Policy:
         self.confidence += floor
         self.accepted += floor
         tokens = float((num_accepted.double() + 1).mean())
+        self.spec_steps = DECAY * self.spec_steps + 1.0
         self.spec_tokens = DECAY * self.spec_tokens + tokens
-        self.spec_time = DECAY * self.spec_time + self.cost.draft(self.levels) + self.cost.verify(T)
+        self.spec_levels = DECAY * self.spec_levels + self.levels
+        self.spec_nodes = DECAY * self.spec_nodes + T

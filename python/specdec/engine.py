@@ -9,10 +9,16 @@ token after prefill is sampled the same way, on a one-node tree over the prefill
 adaptive mode (specdec.adaptive) a policy sizes each step's tree, or makes it a plain step.
 
 Requests advance together with different accepted lengths; a finished one (EOS, max
-tokens, stop string, full cache) frees its slot for the next queued request. Each request
+tokens, stop string, full cache) frees its slot for the next queued request. The engine is
+online: `submit(request) -> RequestHandle` queues a request at any time and `step()` runs one
+such step (admitting queued requests into free slots first); `generate()` and `stream()` are
+loops over it. Not thread-safe: submit and step from one thread. Each request
 has its own torch.Generator feeding its uniforms (and chain-draft samples), so what it
 generates does not depend on its batch-mates.
 """
+import collections
+import heapq
+import itertools
 import operator
 import os
 import time
@@ -81,14 +87,13 @@ class Result:
     error: str | None = None  # finish_reason "error": what went wrong (this request only)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
-    """A request while it runs."""
+    """A request while it waits and runs."""
 
-    index: int
     req: Request
     slot: int
-    generator: torch.Generator
+    generator: torch.Generator | None
     stats: Stats
     arrival: float
     first_token_time: float = 0.0
@@ -96,6 +101,63 @@ class _Seq:
     finish_reason: str | None = None
     text: str | None = None
     error: str | None = None
+    on_finish: Callable | None = None  # callable(result)
+    owner: object = None  # the Run that submitted it (None: submit())
+    handle: "RequestHandle | None" = None
+
+
+class RequestHandle:
+    """A submitted request (Engine.submit): its tokens as step() produces them, its Result.
+
+    .request_id; .done; .result (the Result once finished, else None); .token_ids (all
+    generated so far); .new_tokens() (those since the last call); iterating over the handle
+    yields its token ids as they arrive, calling engine.step() whenever it has none to give
+    (which advances every request in the engine), until it finishes; .cancel() withdraws it."""
+
+    def __init__(self, engine: "Engine", seq: _Seq):
+        self.engine, self._seq, self._read = engine, seq, 0
+        self.result: Result | None = None
+
+    @property
+    def request_id(self):
+        return self._seq.req.id
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    @property
+    def token_ids(self) -> list:
+        return list(self._seq.tokens)
+
+    def new_tokens(self) -> list:
+        """Tokens gained since the last new_tokens() (or since submission)."""
+        tokens = self._seq.tokens[self._read:]
+        self._read += len(tokens)
+        return tokens
+
+    def __iter__(self):
+        while True:
+            tokens = self.new_tokens()
+            if tokens:
+                yield from tokens
+            elif self.done:
+                return
+            else:
+                self.engine.step()
+
+    def cancel(self) -> bool:
+        """Withdraws the request if it has not finished: it leaves the queue or the batch at
+        once and finishes with finish_reason "cancelled" (on_finish is called). -> whether it
+        was cancelled."""
+        if self.done or not self.engine._cancel(self._seq):
+            return False
+        self.engine._finish(self._seq)
+        return True
+
+    def __repr__(self):
+        state = self.result.finish_reason if self.done else "running"
+        return f"RequestHandle({self.request_id!r}, {len(self._seq.tokens)} tokens, {state})"
 
 
 class Engine:
@@ -163,6 +225,12 @@ class Engine:
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
+        # online state (submit / step): waiting requests, the batch, free slots
+        self._queue: collections.deque[_Seq] = collections.deque()
+        self._active: list[_Seq] = []
+        self._free = list(range(batch_size))  # a heap
+        self._timers: list[Stats] = []  # run-level Stats that collect every step's time split
+        self._ids = itertools.count()
 
     def _check_memory(self, batch_size, block_size, cache_len, head_len, T):
         """InvalidRequestError when the caches plus one step's logits cannot fit in the memory
@@ -193,7 +261,8 @@ class Engine:
     def stream(self, requests: Iterable[Request | Sequence[int]],
                on_finish: Callable[[Result], None] | None = None) -> "Run":
         """An iterator of (request_id, new_token_ids) as tokens are accepted; once it is
-        exhausted, .results and .stats hold the outputs.
+        exhausted, .results and .stats hold the outputs. A loop over step() (requests the
+        engine was already serving, e.g. submit()ted ones, advance with these).
 
         Requests are validated here, all of them: an invalid one finishes at once with
         finish_reason "error" (its Result's .error says why) and the others run; when no
@@ -211,6 +280,59 @@ class Engine:
         if requests and len(rejected) == len(requests):
             raise InvalidRequestError(join_errors(list(rejected.values())))
         return Run(self, requests, on_finish, rejected)
+
+    # ------------------------------------------------------------------ online API
+    def submit(self, request: Request | Sequence[int],
+               on_finish: Callable[[Result], None] | None = None) -> "RequestHandle":
+        """Queues one request, at any time (between steps) -> its RequestHandle. It takes a
+        slot at the next step() that finds one free (continuous batching: up to batch_size
+        requests decode together, the others wait in arrival order). Its time to first token
+        counts from now.
+
+        request.id None: a fresh integer id (unique among the requests in flight). An invalid
+        request raises InvalidRequestError here (nothing is queued), as does an id that a
+        request still in flight has (step() reports tokens by id). on_finish: optional
+        callable(result) when it finishes. A request that fails while it runs (e.g. NaN
+        logits) finishes alone with finish_reason "error"."""
+        req = request if isinstance(request, Request) else Request(list(request))
+        in_flight = {s.req.id for s in self._queue} | {s.req.id for s in self._active}
+        if req.id is None:
+            req.id = next(i for i in self._ids if i not in in_flight)
+        elif req.id in in_flight:
+            raise InvalidRequestError(f"request {req.id!r}: a request with this id is still in flight")
+        self.validate(req)
+        return self._enqueue(req, time.perf_counter(), on_finish)
+
+    def step(self) -> dict:
+        """Advances the engine by one step -> {request_id: [token ids it gained]}.
+
+        Queued requests take the free slots (their prompt forward and first token), then
+        every active request gets one speculative (or plain) step; requests that finish (EOS,
+        max tokens, stop string, full cache, error) leave and free their slots. Requests that
+        finished in this step are included with their last tokens (a request that gained no
+        token is absent). Nothing queued or active: {} at no cost. A request's greedy output
+        does not depend on when it was submitted or which requests shared its steps; sampled
+        output is reproducible from its seed for a fixed tree shape (in adaptive mode the tree
+        size follows the batch)."""
+        gained = {}
+        for s, tokens in self._advance():
+            gained.setdefault(s.req.id, []).extend(tokens)
+        return gained
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding a slot (decoding)."""
+        return len(self._active)
+
+    @property
+    def num_queued(self) -> int:
+        """Submitted requests waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether step() would do anything."""
+        return bool(self._queue or self._active)
 
     def validate(self, req: Request) -> None:
         """InvalidRequestError (message prefixed with the request's id) if the engine cannot
@@ -242,8 +364,117 @@ class Engine:
         if req.params.stop and self.tokenizer is None:
             raise InvalidRequestError(f"request {req.id!r}: stop strings need a tokenizer")
 
+    # ------------------------------------------------------------------ the online core
+    def _enqueue(self, req: Request, arrival: float, on_finish=None, owner=None) -> "RequestHandle":
+        """Queues a validated request (its generator seeded now: seed None draws one from
+        torch's global RNG)."""
+        seed = req.params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        gen = torch.Generator(self.device).manual_seed(seed)
+        s = _Seq(req, -1, gen, Stats(), arrival, on_finish=on_finish, owner=owner)
+        s.handle = RequestHandle(self, s)
+        self._queue.append(s)
+        return s.handle
+
+    def _advance(self) -> list:
+        """One engine step -> [(seq, tokens it gained)] in order (a request appears at most
+        twice: its first token, then its first verify step)."""
+        events = []
+        if not self.has_work:
+            return events
+        timers = list(self._timers)
+        with torch.inference_mode():
+            new = []
+            while self._free and self._queue:
+                s = self._queue.popleft()
+                s.slot = heapq.heappop(self._free)  # the lowest free slot
+                new.append(s)
+            if new:
+                first = self._prefill(new, timers + [s.stats for s in new])
+                for s, tok in zip(new, first.tolist()):
+                    s.first_token_time = time.perf_counter()
+                    if s.error is None:
+                        self._emit(s, [tok], events)
+                self._active += new
+            self._retire()
+            if self._active:
+                active = self._active
+                out_tokens, num_accepted = self._verify_step(active, timers + [s.stats for s in active])
+                for s, toks, a in zip(active, out_tokens.tolist(), num_accepted.tolist()):
+                    if s.error is None:
+                        self._emit(s, toks[: a + 1], events)
+                self._retire()
+        return events
+
+    def _emit(self, s: _Seq, new_tokens: list, events: list):
+        """Appends accepted tokens up to EOS / max tokens / a stop string; records what was kept."""
+        p = s.req.params
+        kept = []
+        for tok in new_tokens:
+            s.tokens.append(tok)
+            kept.append(tok)
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                s.finish_reason = "eos"
+            elif p.stop and self._hit_stop(s):
+                s.finish_reason = "stop"
+            elif len(s.tokens) >= p.max_new_tokens:
+                s.finish_reason = "length"
+            if s.finish_reason:
+                break
+        s.stats.generated_tokens += len(kept)
+        if s.finish_reason is None and len(s.req.prompt_ids) + len(s.tokens) > self.capacity:
+            s.finish_reason = "length"  # no cache position left for the next root token
+        if kept:
+            events.append((s, kept))
+
+    def _hit_stop(self, s: _Seq) -> bool:
+        text = self.tokenizer.decode(s.tokens)
+        cuts = [text.find(stop) for stop in s.req.params.stop if stop in text]
+        if cuts:
+            s.text = text[: min(cuts)]
+        return bool(cuts)
+
+    def _retire(self):
+        """Finished requests leave the batch (their slots go back to the free list)."""
+        still = []
+        for s in self._active:
+            if s.finish_reason is None:
+                still.append(s)
+                continue
+            heapq.heappush(self._free, s.slot)
+            self._finish(s)
+        self._active = still
+
+    def _finish(self, s: _Seq):
+        s.stats.finish(s.arrival, s.first_token_time, time.perf_counter())
+        if s.text is None and self.tokenizer is not None and (s.tokens or s.error is None):
+            s.text = self.tokenizer.decode(s.tokens)
+        try:
+            prompt_ids = list(s.req.prompt_ids)
+        except TypeError:  # a rejected request's
+            prompt_ids = []
+        result = Result(s.req.id, s.req.prompt, prompt_ids, list(s.tokens), s.text,
+                        s.finish_reason, s.stats, s.error)
+        if s.handle is not None:
+            s.handle.result = result
+        if s.on_finish is not None:
+            s.on_finish(result)
+
+    def _cancel(self, s: _Seq) -> bool:
+        """Removes an unfinished request from the queue or the batch (its slot freed)."""
+        if s in self._queue:
+            self._queue.remove(s)
+        elif any(a is s for a in self._active):
+            self._active = [a for a in self._active if a is not s]
+            heapq.heappush(self._free, s.slot)
+        else:
+            return False
+        s.finish_reason = "cancelled"
+        return True
+
     # ------------------------------------------------------------------ one batch step
-    def prefill(self, seqs: list[_Seq], all_stats: list[Stats]) -> torch.Tensor:
+    def _prefill(self, seqs: list[_Seq], all_stats: list[Stats]) -> torch.Tensor:
         """Prompt forward of newly admitted requests, first token on a one-node tree, and
         the drafter's start. Returns the first tokens (long [B])."""
         slots = self._slots(seqs)
@@ -258,7 +489,7 @@ class Engine:
             self.drafter.start(slots, prompts, first, out.hidden, out.aux, [s.error is None for s in seqs])
         return first
 
-    def step(self, seqs: list[_Seq], all_stats: list[Stats]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_step(self, seqs: list[_Seq], all_stats: list[Stats]) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft / verify / accept round. Returns (output_tokens int32 [B, T] -1 padded,
         num_accepted int32 [B])."""
         slots = self._slots(seqs)
@@ -266,6 +497,8 @@ class Engine:
         room = self.capacity - self.cache.cache_lens[slots]
         sampling = self._sampling(seqs)
         with timed(self.device, "draft", all_stats):
+            if self.policy is not None:
+                self.policy.batch = len(seqs)  # live occupancy: the costs of this step's batch
             if self.policy is not None and not self.policy.speculate():
                 d = root_only(roots)
             else:
@@ -368,14 +601,14 @@ def _free_memory(device: torch.device) -> int | None:
 
 
 class Run:
-    """One generate()/stream() call: the request queue, the active batch, the results.
-    rejected: {index: message} of the requests that failed validation (finished first)."""
+    """One generate()/stream() call: a loop over the engine's steps until its requests are
+    done. rejected: {index: message} of the requests that failed validation (finished first).
+    Closing it early (or dropping it) cancels its unfinished requests."""
 
     def __init__(self, engine: Engine, requests: list, on_finish=None, rejected=None):
         self.engine, self.on_finish = engine, on_finish
         self.rejected = dict(rejected or {})
         self.requests = list(requests)
-        self.queue = [(i, r) for i, r in enumerate(requests) if i not in self.rejected]
         self.results = [None] * len(requests)
         self.per_request = [None] * len(requests)
         self.engine_stats = Stats(num_requests=len(requests))  # run-level time split
@@ -388,97 +621,34 @@ class Run:
     def __next__(self):
         return next(self._events)
 
+    def close(self):
+        self._events.close()
+
+    def _done(self, index, result, ran=True):
+        self.results[index] = result
+        self.per_request[index] = result.stats if ran else None  # the aggregate: requests that ran
+        if self.on_finish is not None:
+            self.on_finish(result)
+
     def _loop(self):
         eng = self.engine
         start = time.perf_counter()
         for index, message in sorted(self.rejected.items()):  # reported together, before any work
-            s = _Seq(index, self.requests[index], -1, None, Stats(), start, start, finish_reason="error",
-                     error=message)
-            self._finish(s)
-            self.per_request[index] = None  # never ran: not in the aggregate
-        free = list(range(eng.batch_size))
-        active = []
-        with torch.inference_mode():
-            while self.queue or active:
-                new = []
-                while free and self.queue:
-                    index, req = self.queue.pop(0)
-                    new.append(self._admit(req, index, free.pop(0), start))
-                if new:
-                    first = eng.prefill(new, [self.engine_stats] + [s.stats for s in new])
-                    for s, tok in zip(new, first.tolist()):
-                        s.first_token_time = time.perf_counter()
-                        if s.error is None:
-                            yield from self._emit(s, [tok])
-                    active += new
-                active = self._retire(active, free)
-                if not active:
-                    continue
-                out_tokens, num_accepted = eng.step(active, [self.engine_stats] + [s.stats for s in active])
-                for s, toks, a in zip(active, out_tokens.tolist(), num_accepted.tolist()):
-                    if s.error is None:
-                        yield from self._emit(s, toks[: a + 1])
-                active = self._retire(active, free)
+            s = _Seq(self.requests[index], -1, None, Stats(), start, start, finish_reason="error", error=message,
+                     on_finish=lambda r, i=index: self._done(i, r, ran=False))
+            eng._finish(s)
+        mine = [eng._enqueue(r, start, lambda res, i=i: self._done(i, res), owner=self)
+                for i, r in enumerate(self.requests) if i not in self.rejected]
+        eng._timers.append(self.engine_stats)
+        try:
+            while not all(h.done for h in mine):
+                for s, tokens in eng._advance():
+                    if s.owner is self:
+                        yield s.req.id, tokens
+        finally:
+            eng._timers.remove(self.engine_stats)
+            for h in mine:
+                if not h.done:
+                    eng._cancel(h._seq)
         ran = [s for s in self.per_request if s is not None]
         self.stats = Stats.aggregate(ran, self.engine_stats.time_s, time.perf_counter() - start)
-
-    def _admit(self, req, index, slot, arrival):
-        seed = req.params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()))
-        gen = torch.Generator(self.engine.device).manual_seed(seed)
-        return _Seq(index, req, slot, gen, Stats(), arrival)
-
-    def _emit(self, s: _Seq, new_tokens: list):
-        """Appends accepted tokens up to EOS / max tokens / a stop string; yields what was kept."""
-        eng, p = self.engine, s.req.params
-        kept = []
-        for tok in new_tokens:
-            s.tokens.append(tok)
-            kept.append(tok)
-            if not p.ignore_eos and tok in eng.eos_token_ids:
-                s.finish_reason = "eos"
-            elif p.stop and self._hit_stop(s):
-                s.finish_reason = "stop"
-            elif len(s.tokens) >= p.max_new_tokens:
-                s.finish_reason = "length"
-            if s.finish_reason:
-                break
-        s.stats.generated_tokens += len(kept)
-        if s.finish_reason is None and len(s.req.prompt_ids) + len(s.tokens) > eng.capacity:
-            s.finish_reason = "length"  # no cache position left for the next root token
-        if kept:
-            yield s.req.id, kept
-
-    def _hit_stop(self, s: _Seq) -> bool:
-        text = self.engine.tokenizer.decode(s.tokens)
-        cuts = [text.find(stop) for stop in s.req.params.stop if stop in text]
-        if cuts:
-            s.text = text[: min(cuts)]
-        return bool(cuts)
-
-    def _retire(self, active, free):
-        still = []
-        for s in active:
-            if s.finish_reason is None:
-                still.append(s)
-                continue
-            free.append(s.slot)
-            self._finish(s)
-        return still
-
-    def _finish(self, s: _Seq):
-        eng = self.engine
-        s.stats.finish(s.arrival, s.first_token_time, time.perf_counter())
-        if s.text is None and eng.tokenizer is not None and (s.tokens or s.error is None):
-            s.text = eng.tokenizer.decode(s.tokens)
-        try:
-            prompt_ids = list(s.req.prompt_ids)
-        except TypeError:  # a rejected request's
-            prompt_ids = []
-        result = Result(s.req.id, s.req.prompt, prompt_ids, list(s.tokens), s.text,
-                        s.finish_reason, s.stats, s.error)
-        self.results[s.index] = result
-        self.per_request[s.index] = s.stats
-        if self.on_finish is not None:
-            self.on_finish(result)

@@ -10,6 +10,22 @@ from dataclasses import dataclass, field
 import torch
 
 PHASES = ("prefill", "draft", "verify", "sample", "compact")
+QUANTILES = (50, 95, 99)
+
+
+def percentiles(values, qs=QUANTILES) -> dict:
+    """{"p50": .., "p95": .., "p99": ..} of values (numpy.percentile's default, linear
+    interpolation between the closest ranks); {} for no values."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return {}
+    out = {}
+    for q in qs:
+        pos = (len(xs) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{q:g}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return out
 
 
 @dataclass
@@ -27,6 +43,8 @@ class Stats:
     ttft_s: float = 0.0  # time to first token (mean over requests for an aggregate)
     tpot_s: float = 0.0  # time per output token after the first (mean over requests)
     elapsed_s: float = 0.0  # arrival -> finish (wall time of the run for an aggregate)
+    # an aggregate's per-request latency percentiles: {"ttft_s" | "tpot_s" | "e2e_s": {"p50": ..}}
+    latency: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ recording
     def record_step(self, num_accepted: int, num_nodes: int, tree_depth: int):
@@ -85,12 +103,15 @@ class Stats:
             "tpot_s": self.tpot_s,
             "elapsed_s": self.elapsed_s,
             "tokens_per_s": self.tokens_per_s,
+            "latency": {k: dict(v) for k, v in self.latency.items()},
         }
 
     @classmethod
     def aggregate(cls, per_request: list, time_s: dict, elapsed_s: float) -> "Stats":
         """Counts summed over requests; time split and wall time of the run itself (batched
-        steps would be double counted by summing requests); TTFT / TPOT averaged."""
+        steps would be double counted by summing requests); TTFT / TPOT averaged; .latency:
+        P50 / P95 / P99 of TTFT, TPOT (requests with more than one token) and end-to-end
+        latency (arrival -> finish) over the requests."""
         agg = cls(num_requests=len(per_request), time_s=dict(time_s), elapsed_s=elapsed_s)
         for s in per_request:
             agg.generated_tokens += s.generated_tokens
@@ -105,6 +126,11 @@ class Stats:
         if per_request:
             agg.ttft_s = sum(s.ttft_s for s in per_request) / len(per_request)
             agg.tpot_s = sum(s.tpot_s for s in per_request) / len(per_request)
+            agg.latency = {
+                "ttft_s": percentiles(s.ttft_s for s in per_request),
+                "tpot_s": percentiles(s.tpot_s for s in per_request if s.generated_tokens > 1),
+                "e2e_s": percentiles(s.elapsed_s for s in per_request),
+            }
         return agg
 
     def summary(self) -> str:
@@ -123,6 +149,12 @@ class Stats:
             ("tree nodes per step", f"{self.nodes_per_step:.1f}"),
             ("TTFT (mean)", f"{1000 * self.ttft_s:.1f} ms"),
             ("TPOT (mean)", f"{1000 * self.tpot_s:.1f} ms"),
+        ]
+        for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end")):
+            if self.latency.get(key):
+                ps = "  ".join(f"{k.upper()} {1000 * v:.1f}" for k, v in self.latency[key].items())
+                rows.append((f"{name} percentiles", f"{ps} ms"))
+        rows += [
             ("time split", split),
         ]
         width = max(len(k) for k, _ in rows)

@@ -8,17 +8,15 @@ keep plain decoding's speed. Every model runs in the same dtype. Reports mean ac
 length, per-depth acceptance, tokens/s, speedups vs our plain loop and vs HF plain, and the
 time split; writes PREFIX.json (with machine, date and commit) and PREFIX_*.png plots.
 """
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import torch
 
 from ..drafting import TreeSpec
+from .common import machine_info
 
 
 # ---------------------------------------------------------------------- one configuration
@@ -150,26 +148,6 @@ def run_bench(model, tokenizer, head, prompts: list, max_new_tokens: int = 128, 
     return result
 
 
-def machine_info(device) -> dict:
-    """Where and when the figures come from: CPU / GPU model, date, commit, versions."""
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    info = {"machine": f"{cpu}, {os.cpu_count()} logical CPUs", "date": datetime.date.today().isoformat(),
-            "commit": commit or None, "torch": torch.__version__}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def _finish(rows: dict, greedy: bool) -> dict:
     """Adds speedups (tokens/s vs our plain and HF plain) and, when greedy, whether each
     method produced exactly our plain loop's tokens; drops the outputs."""
@@ -291,6 +269,18 @@ def add_arguments(p):
     p.add_argument("--output", default="benchmarks/results/e2e", metavar="PREFIX",
                    help="writes PREFIX.json and PREFIX_*.png (default %(default)s)")
     p.add_argument("--no-plots", action="store_true")
+    g = p.add_argument_group("serving (--serving: the online engine under Poisson arrivals instead)")
+    g.add_argument("--serving", action="store_true",
+                   help="plain, the tree and adaptive mode at a sweep of arrival rates; writes PREFIX_serving.json "
+                        "(with --quick: 2 rates, 6 requests, 16 tokens, batch size 4)")
+    g.add_argument("--rates", default=SERVING_RATES, help="comma-separated arrival rates, requests/s")
+    g.add_argument("--num-requests", type=int, default=32, help="requests per rate (MT-bench prompts, cycled)")
+    g.add_argument("--serving-batch-size", type=int, default=8, help="the engine's slots")
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT objective")
+    g.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT objective")
+
+
+SERVING_RATES = "0.25,0.5,1,2,4"
 
 
 def _ints(text):
@@ -303,12 +293,24 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.quick:
+    if args.quick and args.serving:
+        args.num_prompts, args.max_new_tokens = min(args.num_prompts, 6), min(args.max_new_tokens, 16)
+        args.num_requests, args.serving_batch_size = min(args.num_requests, 6), 4
+        if args.rates == SERVING_RATES:  # the default sweep; explicit --rates are kept
+            args.rates = "1,4"
+    elif args.quick:
         args.num_prompts, args.max_new_tokens = min(args.num_prompts, 3), min(args.max_new_tokens, 32)
         args.chain_ks, args.batch_sizes = "4", "1,4"
     TreeSpec.parse(args.tree), TreeSpec.parse(args.adaptive)  # bad specs fail before loading
+    rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    if args.serving and (not rates or min(rates) <= 0 or args.num_requests < 1 or args.serving_batch_size < 1):
+        from ..errors import InvalidRequestError
+
+        raise InvalidRequestError("--rates must be positive, --num-requests and --serving-batch-size >= 1")
     model, tokenizer = load_model_from_args(args)
     head = _load_head(args, model)
+    if args.serving:
+        return _run_serving(args, model, tokenizer, head, mtbench_prompts(args.num_prompts), rates)
     weight = model.tok_embeddings.weight
     hf_model = None if args.no_hf else _load_hf(args.model, weight.dtype, weight.device)
     result = run_bench(model, tokenizer, head, mtbench_prompts(args.num_prompts), args.max_new_tokens,
@@ -323,6 +325,25 @@ def run(args) -> int:
     if not args.no_plots:
         plot(result, args.output)
     print(summary(result))
+    return 0
+
+
+def _run_serving(args, model, tokenizer, head, prompts, rates) -> int:
+    from . import serving
+
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    result = serving.run_serving(model, tokenizer, head, prompt_ids, rates, args.num_requests, args.max_new_tokens,
+                                 args.serving_batch_size, args.tree, args.adaptive, args.slo_ttft_ms / 1000,
+                                 args.slo_tpot_ms / 1000, args.seed,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    result["config"]["head"] = args.head or "shipped"
+    result["config"]["threads"] = torch.get_num_threads()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + "_serving.json", "w") as f:
+        json.dump(result, f, indent=2)
+    if not args.no_plots:
+        serving.plot(result, args.output)
+    print(serving.summary(result))
     return 0
 
 
