@@ -1,6 +1,6 @@
 // The torch.ops.specdec contract: op schemas and their per-dispatch-key registrations.
 //
-// This file is the one place the op contract is written in C++ (the README documents
+// This file is the one place the op contract is written in C++ (docs/ops.md documents
 // it for users). Every registered implementation runs the shared checks of checks.h
 // and normalises index / parameter dtypes before handing contiguous tensors to the
 // backend kernels declared in ops.h.
