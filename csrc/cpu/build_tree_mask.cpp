@@ -9,8 +9,8 @@ namespace specdec {
 
 std::tuple<at::Tensor, at::Tensor> build_tree_mask_cpu(const at::Tensor& parents,
                                                        const at::Tensor& num_nodes) {
-  const int64_t B = parents.size(0), T = parents.size(1), W = (T + 63) / 64;
-  at::Tensor mask = at::zeros({B, T, W}, parents.options().dtype(at::kLong));
+  const int64_t B = parents.size(0), T = parents.size(1), mask_words = (T + 63) / 64;
+  at::Tensor mask = at::zeros({B, T, mask_words}, parents.options().dtype(at::kLong));
   at::Tensor depth = at::zeros({B, T}, parents.options().dtype(at::kInt));
   const int32_t* par = parents.data_ptr<int32_t>();
   const int32_t* nn = num_nodes.data_ptr<int32_t>();
@@ -18,14 +18,15 @@ std::tuple<at::Tensor, at::Tensor> build_tree_mask_cpu(const at::Tensor& parents
   int32_t* dp = depth.data_ptr<int32_t>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      uint64_t* rows = mk + b * T * W;
+      uint64_t* rows = mk + b * T * mask_words;
       for (int64_t i = 0; i < nn[b]; ++i) {
         const int32_t p = par[b * T + i];
         if (p >= 0) {  // parents precede children, so row p is final
-          std::memcpy(rows + i * W, rows + p * W, W * sizeof(uint64_t));
+          std::memcpy(rows + i * mask_words, rows + p * mask_words,
+                      mask_words * sizeof(uint64_t));
           dp[b * T + i] = dp[b * T + p] + 1;
         }
-        rows[i * W + i / 64] |= uint64_t(1) << (i % 64);
+        rows[i * mask_words + i / 64] |= uint64_t(1) << (i % 64);
       }
     }
   });

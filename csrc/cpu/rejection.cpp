@@ -14,12 +14,12 @@
 // (scaled by |logit / temperature|: the logits are multiplied by 1 / temperature).
 //
 // The per-token loops (row max, softmax, draft subtraction, sums, the sampling scan) run on
-// GCC vectors of W doubles with a vectorised float64 exp (<= 1.05 ulp), compiled for AVX-512
-// (W = 8), AVX2 + FMA (W = 4) and the baseline ISA (W = 2); the best build the CPU runs is
-// picked at run time. Rows without a top-k / top-p filter keep every token (a dense support:
-// no token ids). The residual starts as the row's probabilities themselves and is written
-// only when a rejection changes it.
-#include <ATen/Dispatch_v2.h>
+// GCC vectors of W doubles (vec.h) with a vectorised float64 exp (<= 1.05 ulp), compiled for
+// AVX-512 (W = 8), AVX2 + FMA (W = 4) and the baseline ISA (W = 2); the best build the CPU
+// runs is picked at run time (pick_walk), the logit and draft dtypes with the
+// SPECDEC_DISPATCH_* macros (dispatch.h). Rows without a top-k / top-p filter keep every
+// token (a dense support: no token ids). The residual starts as the row's probabilities
+// themselves and is written only when a rejection changes it.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -31,11 +31,10 @@
 #include <memory>
 #include <type_traits>
 
+#include "dispatch.h"
 #include "isa.h"
 #include "ops.h"
-
-// Every vector helper is always_inline, so the vector ABI change warned about never applies.
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "vec.h"
 
 namespace specdec {
 namespace {
@@ -71,56 +70,20 @@ struct Params {
   double top_p;
 };
 
-// Draft probabilities [B, T, V] of any floating dtype, read in place.
+// Draft probabilities [B, T, V] of any floating dtype (SPECDEC_DISPATCH_PROB_DTYPE), read
+// in place.
 struct DraftProbs {
   const void* data = nullptr;  // nullptr: point-mass drafts
   at::ScalarType dtype = at::kFloat;
   int64_t V = 0;
 };
 
-#define SPECDEC_DRAFT_DTYPES AT_EXPAND(AT_FLOATING_TYPES), at::kHalf, at::kBFloat16, \
-                             AT_EXPAND(AT_FLOAT8_TYPES)
-
-
 // ---------------------------------------------------------------- vectors of W doubles
-template <int W>
-struct Simd {
-  typedef double d __attribute__((vector_size(W * sizeof(double))));
-  typedef float f __attribute__((vector_size(W * sizeof(float))));
-  typedef uint64_t u __attribute__((vector_size(W * sizeof(uint64_t))));
-  typedef int64_t i __attribute__((vector_size(W * sizeof(int64_t))));
-  typedef int32_t i32 __attribute__((vector_size(W * sizeof(int32_t))));
-};
-
-#define SPECDEC_INLINE __attribute__((always_inline)) inline
-
-template <int W>
-SPECDEC_INLINE typename Simd<W>::d splat(double x) {
-  return typename Simd<W>::d{} + x;
-}
-template <int W>
-SPECDEC_INLINE void store(double* p, typename Simd<W>::d v) {
-  __builtin_memcpy(p, &v, sizeof(v));
-}
-// Lanes [0, m) of v to p.
-template <int W>
-SPECDEC_INLINE void store_part(double* p, typename Simd<W>::d v, int64_t m) {
-  for (int64_t j = 0; j < m; ++j) p[j] = v[j];
-}
-template <int W>
-SPECDEC_INLINE double hsum(typename Simd<W>::d v) {
-  double s = 0.0;
-  for (int j = 0; j < W; ++j) s += v[j];
-  return s;
-}
-
 // W values of p as doubles (logits go through float, as the scalar code reads them).
 template <int W, typename T>
-SPECDEC_INLINE typename Simd<W>::d load(const T* p) {
+SPECDEC_INLINE typename Simd<W>::d load_f64(const T* p) {
   if constexpr (std::is_same_v<T, double>) {
-    typename Simd<W>::d v;
-    __builtin_memcpy(&v, p, sizeof(v));
-    return v;
+    return load<W>(p);
   } else {
     typename Simd<W>::f v;
     if constexpr (std::is_same_v<T, float>) {
@@ -154,7 +117,7 @@ SPECDEC_INLINE typename Simd<W>::d load_part(const double* p, int64_t m, double 
 template <int W, bool kTiny>
 SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
   using vd = typename Simd<W>::d;
-  using vu = typename Simd<W>::u;
+  using vu = typename Simd<W>::u64;
   const vd lo = splat<W>(-1100.0);  // exp underflows to 0 well above; keeps inf - inf away
   const vd xc = x < lo ? lo : x;
   // Adding 1.5 * 2^52 rounds to an integer k, which then sits in the low mantissa bits.
@@ -309,13 +272,13 @@ SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double inv, double z
   vd acc{};
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const vd e = vexp<W, kTiny>(load<W>(in + i) * inv - zmax);
-    store<W>(out + i, e);
+    const vd e = vexp<W, kTiny>(load_f64<W>(in + i) * inv - zmax);
+    store(out + i, e);
     acc += e;
   }
   if (i == n) return hsum<W>(acc);
   const vd e = vexp<W, kTiny>(load_part<W>(in + i, n - i, in[i]) * inv - zmax);  // pad: in[i]
-  store_part<W>(out + i, e, n - i);
+  store_part(out + i, e, n - i);
   double sum = hsum<W>(acc);
   for (int64_t j = 0; j < n - i; ++j) sum += e[j];
   return sum;
@@ -453,9 +416,9 @@ SPECDEC_INLINE Row process_row(const scalar_t* logits, int64_t V, const Params& 
 // q(x) of draft row `row` (= b * T + node).
 double draft_prob(const DraftProbs& dp, int64_t row, int32_t x) {
   double q = 0.0;
-  AT_DISPATCH_V2(dp.dtype, "tree_rejection_sample", AT_WRAP([&] {
+  SPECDEC_DISPATCH_PROB_DTYPE(dp.dtype, scalar_t, {
     q = static_cast<double>(static_cast<const scalar_t*>(dp.data)[row * dp.V + x]);
-  }), SPECDEC_DRAFT_DTYPES);
+  });
   return q;
 }
 
@@ -465,14 +428,14 @@ double draft_prob(const DraftProbs& dp, int64_t row, int32_t x) {
 double subtract_draft_any(const DraftProbs& dp, int64_t row, const int32_t* tok, bool dense,
                           const double* src, double* dst, int64_t n, double rsum) {
   double sum = 0.0;
-  AT_DISPATCH_V2(dp.dtype, "tree_rejection_sample", AT_WRAP([&] {
+  SPECDEC_DISPATCH_PROB_DTYPE(dp.dtype, scalar_t, {
     const scalar_t* q = static_cast<const scalar_t*>(dp.data) + row * dp.V;
     for (int64_t i = 0; i < n; ++i) {
       const double v = src[i] / rsum - static_cast<double>(q[dense ? i : tok[i]]);
       dst[i] = v < 0.0 ? 0.0 : v;
       sum += dst[i];
     }
-  }), SPECDEC_DRAFT_DTYPES);
+  });
   return sum;
 }
 
@@ -480,7 +443,7 @@ double subtract_draft_any(const DraftProbs& dp, int64_t row, const int32_t* tok,
 template <int W, typename Q>
 SPECDEC_INLINE typename Simd<W>::d draft_part(const Q* q, const int32_t* tok, bool dense,
                                               int64_t i, int64_t m) {
-  if (dense) return m == W ? load<W>(q + i) : load_part<W>(q + i, m, 0.0);
+  if (dense) return m == W ? load_f64<W>(q + i) : load_part<W>(q + i, m, 0.0);
   typename Simd<W>::d v{};
   for (int64_t j = 0; j < m; ++j) v[j] = static_cast<double>(q[tok[i + j]]);
   return v;
@@ -497,12 +460,12 @@ SPECDEC_INLINE double subtract_draft_vec(const Q* q, const int32_t* tok, bool de
   for (; i + W <= n; i += W) {
     vd v = load<W>(src + i) * inv - draft_part<W>(q, tok, dense, i, W);
     v = v < 0.0 ? vd{} : v;
-    store<W>(dst + i, v);
+    store(dst + i, v);
     acc += v;
   }
   vd v = load_part<W>(src + i, n - i, 0.0) * inv - draft_part<W>(q, tok, dense, i, n - i);
   v = v < 0.0 ? vd{} : v;
-  store_part<W>(dst + i, v, n - i);
+  store_part(dst + i, v, n - i);
   return hsum<W>(acc + v);
 }
 
@@ -698,7 +661,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
   int32_t* acc = accepted.data_ptr<int32_t>();
   int32_t* na = num_accepted.data_ptr<int32_t>();
   int32_t* out = tokens.data_ptr<int32_t>();
-  AT_DISPATCH_V2(target_logits.scalar_type(), "tree_rejection_sample_cpu", AT_WRAP([&] {
+  SPECDEC_DISPATCH_FLOAT_DTYPE(target_logits.scalar_type(), scalar_t, {
     const scalar_t* logits = target_logits.data_ptr<scalar_t>();
     const WalkFn<scalar_t> walk_sampled = pick_walk<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
@@ -715,7 +678,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
         walk_sampled(rows, dp, rq, *s);
       }
     });
-  }), at::kFloat, at::kHalf, at::kBFloat16);
+  });
   return {accepted, num_accepted, tokens};
 }
 

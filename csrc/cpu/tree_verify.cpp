@@ -1,25 +1,26 @@
 // tree_verify on CPU: flash-decoding style tree attention over a paged KV cache.
 //
 // One task per (request b, KV head h, split s of the key positions). All M = num_nodes[b] *
-// group query rows that share KV head h (GQA; row m is tree node m / group, query head
-// h * group + m % group) are processed together, so each K / V row is read from the cache
-// once per KV head. The vector lanes run over query rows: the queries are staged once per
-// task transposed ([D, rows]), the scores of a tile are kept transposed ([keys, rows]) and
-// so is the output ([D, rows]). Then both products broadcast single K / V elements from
-// their natural row-major layout -- S^T[n, :] += K[n, d] * Q^T[d, :] and
-// O^T[d, :] += V[n, d] * P^T[n, :] -- and the online softmax (running max and sum per row,
-// in base 2: scores are scaled by sm_scale * log2(e)) needs no horizontal reduction.
+// group_size query rows that share KV head h (GQA, group_size = Hq / Hkv; row m is tree node
+// m / group_size, query head h * group_size + m % group_size) are processed together, so each
+// K / V row is read from the cache once per KV head. The vector lanes run over query rows:
+// the queries are staged once per task transposed ([D, rows]), the scores of a tile are kept
+// transposed ([keys, rows]) and so is the output ([D, rows]). Then both products broadcast
+// single K / V elements from their natural row-major layout -- S^T[n, :] += K[n, d] * Q^T[d, :]
+// and O^T[d, :] += V[n, d] * P^T[n, :] -- and the online softmax (running max and sum per
+// row, in base 2: scores are scaled by sm_scale * log2(e)) needs no horizontal reduction.
 // Keys are staged tile by tile (kTile positions, resolved through the block table) into
 // small thread-local buffers, converted to float. Prefix positions (< cache_lens[b]) are
-// visible to every row; tree positions only where the row's tree_mask bit is set. When
-// B * Hkv tasks cannot occupy the threads, the positions are split and the partial
-// (O, max, sum) merged afterwards.
+// visible to every row; tree positions only where the row's tree_mask bit is set (tree_mask
+// rows are mask_words = ceil(T / 64) 64-bit words). When B * Hkv tasks cannot occupy the
+// threads, the positions are split and the partial (O, max, sum) merged afterwards.
 //
-// The float loops use GCC vector extensions of W floats, compiled for AVX-512 (W = 16), for
-// AVX2 + FMA (W = 8) and for the baseline ISA (W = 4, SSE2 on x86-64). bfloat16 inputs on a
-// CPU with AVX512-BF16 take a fourth build that multiplies bf16 pairs with vdpbf16ps
-// (float accumulation; the probabilities are rounded to bf16 for P V, as flash attention
-// kernels do). The best build the CPU runs is picked at run time.
+// The float loops use vectors of W float lanes (vec.h; W is only ever the vector width here),
+// compiled for AVX-512 (W = 16), for AVX2 + FMA (W = 8) and for the baseline ISA (W = 4, SSE2
+// on x86-64). bfloat16 inputs on a CPU with AVX512-BF16 take a fourth build that multiplies
+// bf16 pairs with vdpbf16ps (float accumulation; the probabilities are rounded to bf16 for
+// P V, as flash attention kernels do). The best build the CPU runs is picked at run time
+// (pick_attend); the dtype with SPECDEC_DISPATCH_FLOAT_DTYPE (dispatch.h).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -35,24 +36,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatch.h"
 #include "isa.h"
+#include "numeric_constants.h"
 #include "ops.h"
+#include "vec.h"
 
 // Let a * b + c become one FMA instruction in the AVX2 build (ISO C++ mode disables
 // contraction by default); it only changes rounding, within the op's tolerance.
 #pragma GCC optimize("fp-contract=fast")
-// Every vfloat helper is always_inline, so the vector ABI change warned about never applies.
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace specdec {
 namespace {
 
-// Vectors of W floats; the micro-kernels work on 2 * W query rows at a time.
-template <int W>
-struct Simd {
-  typedef float f __attribute__((vector_size(W * sizeof(float))));
-  typedef int32_t i __attribute__((vector_size(W * sizeof(int32_t))));
-};
+// The micro-kernels work on 2 * W query rows at a time (W float lanes, vec.h).
 // Keys (scores) or head dims (output) per micro-kernel call: 2 * kCols<W> accumulators
 // (+ 3 operands) fill but do not overflow the 32 zmm or 16 ymm / xmm registers.
 template <int W>
@@ -61,29 +58,7 @@ constexpr int kMaxCols = 8;             // the largest kCols: head dims are padd
 constexpr int kMaxPanel = 32;           // 2 * the widest W: rows are padded to it
 constexpr int64_t kTile = 64;           // key positions staged at a time (even, a multiple of kMaxCols)
 constexpr int64_t kMinSplit = 256;      // fewest positions worth a split of their own
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-#define SPECDEC_INLINE __attribute__((always_inline)) inline
-
-template <int W>
-SPECDEC_INLINE typename Simd<W>::f splat(float x) {
-  return typename Simd<W>::f{} + x;
-}
-template <int W>
-SPECDEC_INLINE typename Simd<W>::f load(const float* p) {
-  typename Simd<W>::f v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-template <typename V>
-SPECDEC_INLINE void store(float* p, V v) {
-  __builtin_memcpy(p, &v, sizeof(v));
-}
-template <typename V>
-SPECDEC_INLINE V vmax(V a, V b) {
-  return a > b ? a : b;
-}
 
 // 2^x for x <= 0 (a score minus its row max), ~1 ulp; exactly 0 below -126 and for -inf.
 template <int W>
@@ -105,9 +80,10 @@ SPECDEC_INLINE typename Simd<W>::f exp2_nonpos(typename Simd<W>::f x) {
   p = p * f + 2.402265069591007e-01f;
   p = p * f + 6.931471805599453e-01f;
   p = p * f + 1.f;
-  typename Simd<W>::i kbits;
+  typename Simd<W>::i32 kbits;
   __builtin_memcpy(&kbits, &shifted, sizeof(kbits));
-  const typename Simd<W>::i bits = (kbits - 0x4B400000 + 127) << 23;  // 2^k as a float (0x4B400000 = round)
+  // 2^k as a float (0x4B400000 = round)
+  const typename Simd<W>::i32 bits = (kbits - 0x4B400000 + 127) << 23;
   vfloat scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return x < lo ? vfloat{} : p * scale;
@@ -122,27 +98,33 @@ struct Problem {
   const int32_t* block_table;  // [B, max_blocks]
   const int32_t* cache_lens;   // [B]
   const int32_t* num_nodes;    // [B]
-  const uint64_t* tree_mask;   // [B, T, W]
-  int64_t T, Hq, Hkv, D, group, block_size, max_blocks, W, splits;
-  float scale;  // sm_scale * log2(e)
-  int64_t Dp;   // D padded to kMaxCols
-  int64_t Mp;   // the most rows of any task, T * group, padded to kMaxPanel
+  const uint64_t* tree_mask;   // [B, T, mask_words]
+  int64_t T, Hq, Hkv, D;
+  int64_t group_size;  // query heads per KV head: Hq / Hkv
+  int64_t block_size;  // positions per cache block
+  int64_t max_blocks;  // block table entries per request
+  int64_t mask_words;  // 64-bit words per tree_mask row: ceil(T / 64)
+  int64_t num_splits;  // position splits per request
+  float scale;         // sm_scale * log2(e)
+  int64_t Dp;          // D padded to kMaxCols
+  int64_t Mp;          // the most rows of any task, T * group_size, padded to kMaxPanel
 
-  int64_t rows(int64_t b) const { return int64_t(num_nodes[b]) * group; }
+  int64_t rows(int64_t b) const { return int64_t(num_nodes[b]) * group_size; }
   int64_t length(int64_t b) const { return int64_t(cache_lens[b]) + num_nodes[b]; }
   // Offset of (logical position pos of request b, KV head h) in k / v.
   int64_t kv_offset(int64_t b, int64_t pos, int64_t h) const {
     const int64_t blk = block_table[b * max_blocks + pos / block_size];
     return ((blk * block_size + pos % block_size) * Hkv + h) * D;
   }
-  // Offset of query row m (tree node m / group, head h * group + m % group) in q and out.
+  // Offset of query row m (tree node m / group_size, head h * group_size + m % group_size)
+  // in q and out.
   int64_t q_offset(int64_t b, int64_t h, int64_t m) const {
-    return ((b * T + m / group) * Hq + h * group + m % group) * D;
+    return ((b * T + m / group_size) * Hq + h * group_size + m % group_size) * D;
   }
   // [p0, p1): the key positions of split s of request b (tile aligned, possibly empty).
   std::pair<int64_t, int64_t> split_range(int64_t b, int64_t s) const {
     const int64_t len = length(b);
-    const int64_t chunk = ((len + splits - 1) / splits + kTile - 1) / kTile * kTile;
+    const int64_t chunk = ((len + num_splits - 1) / num_splits + kTile - 1) / kTile * kTile;
     const int64_t p0 = std::min(s * chunk, len);
     return {p0, std::min(p0 + chunk, len)};
   }
@@ -262,7 +244,7 @@ SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, int64_t b, i
   const int64_t c = P.cache_lens[b], M = P.rows(b);
   const int64_t j0 = std::max<int64_t>(0, c - p);  // first tree column of the tile
   for (int64_t m = 0; m < M; ++m) {
-    const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group) * P.W;
+    const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group_size) * P.mask_words;
     for (int64_t j = j0; j < nt; ++j) {
       const int64_t node = p + j - c;
       if (!((bits[node / 64] >> (node % 64)) & 1)) s[j * P.Mp + m] = kNegInf;
@@ -495,8 +477,8 @@ AttendFn<scalar_t> pick_attend() {
   return &attend_baseline<scalar_t>;
 }
 
-// out[b, m / group, h * group + m % group, :] = ot[:, m] / l[m] for the M valid rows
-// (rows without any visible key have l = 0 and o = 0 and stay zero).
+// out[b, m / group_size, h * group_size + m % group_size, :] = ot[:, m] / l[m] for the M valid
+// rows (rows without any visible key have l = 0 and o = 0 and stay zero).
 template <typename scalar_t>
 void write_rows(const Problem<scalar_t>& P, scalar_t* out, int64_t b, int64_t h, const float* ot,
                 const float* l) {
@@ -514,13 +496,15 @@ int64_t choose_splits(int64_t tasks, int64_t max_len) {
   return std::max<int64_t>(1, std::min(want, max_len / kMinSplit));
 }
 
-// Partial results of the S splits of each of `groups` (b, h) pairs (task g * S + s):
-// o^T [D, Mp], then max and sum [2, Mp].
+// Partial results of the num_splits splits of each of `groups` (b, h) pairs (task
+// g * num_splits + s): o^T [D, Mp], then max and sum [2, Mp].
 struct Partials {
-  int64_t S, Mp, D;
+  int64_t num_splits, Mp, D;
   std::vector<float> o, ml;
-  Partials(int64_t groups, int64_t S, int64_t Mp, int64_t D)
-      : S(S), Mp(Mp), D(D), o(S > 1 ? groups * S * D * Mp : 0), ml(S > 1 ? groups * S * 2 * Mp : 0) {}
+  Partials(int64_t groups, int64_t num_splits, int64_t Mp, int64_t D)
+      : num_splits(num_splits), Mp(Mp), D(D),
+        o(num_splits > 1 ? groups * num_splits * D * Mp : 0),
+        ml(num_splits > 1 ? groups * num_splits * 2 * Mp : 0) {}
   void save(int64_t t, const Workspace& ws) {
     std::copy(ws.ot, ws.ot + D * Mp, o.data() + t * D * Mp);
     std::copy(ws.mx, ws.mx + Mp, ml.data() + t * 2 * Mp);
@@ -528,21 +512,23 @@ struct Partials {
   }
   // Merges the splits of (b, h) = task group g into ot [D, Mp] and l [Mp] (rows [0, M)).
   void merge(int64_t g, int64_t M, float* ot, float* l) const {
-    std::vector<float> w(S * Mp);
+    std::vector<float> w(num_splits * Mp);
     for (int64_t m = 0; m < M; ++m) {
       float mx = kNegInf;
-      for (int64_t s = 0; s < S; ++s) mx = std::max(mx, ml[(g * S + s) * 2 * Mp + m]);
+      for (int64_t s = 0; s < num_splits; ++s) {
+        mx = std::max(mx, ml[(g * num_splits + s) * 2 * Mp + m]);
+      }
       l[m] = 0.f;
-      for (int64_t s = 0; s < S; ++s) {
-        const float* sml = ml.data() + (g * S + s) * 2 * Mp;
+      for (int64_t s = 0; s < num_splits; ++s) {
+        const float* sml = ml.data() + (g * num_splits + s) * 2 * Mp;
         // A split where the row saw nothing (or an empty split) has o = 0, l = 0.
         w[s * Mp + m] = sml[m] == kNegInf ? 0.f : std::exp2(sml[m] - mx);
         l[m] += w[s * Mp + m] * sml[Mp + m];
       }
     }
     std::fill(ot, ot + D * Mp, 0.f);
-    for (int64_t s = 0; s < S; ++s) {
-      const float* so = o.data() + (g * S + s) * D * Mp;
+    for (int64_t s = 0; s < num_splits; ++s) {
+      const float* so = o.data() + (g * num_splits + s) * D * Mp;
       for (int64_t d = 0; d < D; ++d) {
         for (int64_t m = 0; m < M; ++m) ot[d * Mp + m] += w[s * Mp + m] * so[d * Mp + m];
       }
@@ -552,22 +538,23 @@ struct Partials {
 
 template <typename scalar_t>
 void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
-  const int64_t S = P.splits;
+  const int64_t num_splits = P.num_splits;
   const auto attend_fn = pick_attend<scalar_t>();
-  Partials part(B * P.Hkv, S, P.Mp, P.D);
-  at::parallel_for(0, B * P.Hkv * S, 1, [&](int64_t t0, int64_t t1) {
+  Partials part(B * P.Hkv, num_splits, P.Mp, P.D);
+  at::parallel_for(0, B * P.Hkv * num_splits, 1, [&](int64_t t0, int64_t t1) {
     Workspace ws(P.Mp, P.Dp);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (P.Hkv * S), h = (t / S) % P.Hkv, s = t % S;
+      const int64_t b = t / (P.Hkv * num_splits), h = (t / num_splits) % P.Hkv;
+      const int64_t s = t % num_splits;
       attend_fn(P, ws, b, h, s);
-      if (S == 1) {
+      if (num_splits == 1) {
         write_rows(P, out, b, h, ws.ot, ws.l);
       } else {
         part.save(t, ws);
       }
     }
   });
-  if (S == 1) return;
+  if (num_splits == 1) return;
   at::parallel_for(0, B * P.Hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> ot(P.D * P.Mp), l(P.Mp);
     for (int64_t t = t0; t < t1; ++t) {
@@ -583,7 +570,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                const at::Tensor& block_table, const at::Tensor& cache_lens,
                const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale) {
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k_cache.size(2), group = Hq / Hkv;
+  const int64_t Hkv = k_cache.size(2), group_size = Hq / Hkv;
   Problem<scalar_t> P{q.data_ptr<scalar_t>(),
                       k_cache.data_ptr<scalar_t>(),
                       v_cache.data_ptr<scalar_t>(),
@@ -595,17 +582,17 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       Hq,
                       Hkv,
                       D,
-                      group,
+                      group_size,
                       k_cache.size(1),
                       block_table.size(1),
                       tree_mask.size(2),
                       1,
                       static_cast<float>(sm_scale * kLog2e),
                       (D + kMaxCols - 1) / kMaxCols * kMaxCols,
-                      (T * group + kMaxPanel - 1) / kMaxPanel * kMaxPanel};
+                      (T * group_size + kMaxPanel - 1) / kMaxPanel * kMaxPanel};
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, P.length(b));
-  P.splits = choose_splits(B * Hkv, max_len);
+  P.num_splits = choose_splits(B * Hkv, max_len);
   at::Tensor out = at::zeros_like(q);  // padded rows stay zero
   tree_verify_typed(P, B, out.data_ptr<scalar_t>());
   return out;
@@ -617,19 +604,10 @@ at::Tensor tree_verify_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_table,
                            const at::Tensor& cache_lens, const at::Tensor& num_nodes,
                            const at::Tensor& tree_mask, double sm_scale) {
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      return run<float>(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask,
-                        sm_scale);
-    case at::kHalf:
-      return run<at::Half>(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask,
-                           sm_scale);
-    case at::kBFloat16:
-      return run<at::BFloat16>(q, k_cache, v_cache, block_table, cache_lens, num_nodes,
-                               tree_mask, sm_scale);
-    default:
-      TORCH_CHECK(false, "tree_verify: unsupported dtype ", q.scalar_type());
-  }
+  SPECDEC_DISPATCH_FLOAT_DTYPE(q.scalar_type(), scalar_t, {
+    return run<scalar_t>(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask,
+                         sm_scale);
+  });
 }
 
 }  // namespace specdec

@@ -1,15 +1,14 @@
-// Helpers shared by the CUDA kernels: dtype dispatch and loads, warp / block reductions.
+// Helpers shared by the CUDA kernels: float conversion, warp / block reductions. (dtype,
+// head-dim and vector-width dispatch: dispatch.h.)
 //
 // Every reduction here combines values in a fixed order, so a kernel gives bitwise the
 // same result on every run (eager and CUDA-graph replays agree exactly).
 #pragma once
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -19,36 +18,12 @@ namespace cuda {
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// The attention / logit dtypes (float64 never reaches a CUDA kernel: checks.cpp rejects it).
-#define SPECDEC_DISPATCH_ATTN_TYPES(TYPE, NAME, ...)               \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                   \
-                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
-                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)  \
-                             AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
-
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// float, c10::Half or c10::BFloat16 (the types SPECDEC_DISPATCH_FLOAT_DTYPE binds) as float.
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
   return static_cast<float>(x);
-}
-
-// Element dtype of a row read through a type-erased pointer (memory-bound kernels, where a
-// uniform branch per load is cheaper than one template instantiation per dtype combination).
-enum class Dtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-
-inline Dtype dtype_of(const at::Tensor& t) {
-  const at::ScalarType s = t.scalar_type();
-  TORCH_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16,
-              "specdec CUDA kernels: unsupported dtype ", s);
-  return s == at::kFloat ? Dtype::kFloat32 : s == at::kHalf ? Dtype::kFloat16 : Dtype::kBFloat16;
-}
-
-__device__ __forceinline__ float load_float(const void* base, Dtype dt, int64_t i) {
-  if (dt == Dtype::kFloat32) return static_cast<const float*>(base)[i];
-  const uint16_t bits = static_cast<const uint16_t*>(base)[i];
-  if (dt == Dtype::kFloat16) return __half2float(__ushort_as_half(bits));
-  return __uint_as_float(uint32_t(bits) << 16);  // bfloat16 is the top half of a float32
 }
 
 // ---- warp reductions (xor butterfly: every lane ends with the same, bitwise equal value,

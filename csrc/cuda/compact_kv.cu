@@ -9,6 +9,7 @@
 // moves (e.g. path [0, 2, 3]) are safe without any barrier.
 // Every position and block id is bounds-checked; a step that would leave the cache is skipped.
 #include "cuda/common.cuh"
+#include "dispatch.h"
 #include "ops.h"
 
 namespace specdec {
@@ -18,24 +19,27 @@ namespace {
 struct CompactParams {
   void* k;
   void* v;
-  const int32_t* block_table;     // [B, MB]
+  const int32_t* block_table;     // [B, max_blocks]
   const int32_t* cache_lens;      // [B]
   const int32_t* accepted_nodes;  // [B, T]
   const int32_t* num_accepted;    // [B]
-  int64_t layer_units;            // units per layer: NB * bs * row_units
+  int64_t layer_units;            // units per layer: num_blocks * block_size * row_units
   int row_units;                  // units per cache row (one position: Hkv * D elements)
-  int NB, bs, MB, T;
+  int num_blocks, block_size;     // cache blocks, positions per block
+  int max_blocks;                 // block table entries per request
+  int T;
 };
 
 // Physical row (within one layer) of logical position pos of request b, or -1 if unmapped.
 __device__ __forceinline__ int64_t physical_row(const CompactParams& p, int b, int64_t pos) {
-  if (pos < 0 || pos >= int64_t(p.MB) * p.bs) return -1;
-  const int blk = p.block_table[int64_t(b) * p.MB + pos / p.bs];
-  if (blk < 0 || blk >= p.NB) return -1;
-  return int64_t(blk) * p.bs + pos % p.bs;
+  if (pos < 0 || pos >= int64_t(p.max_blocks) * p.block_size) return -1;
+  const int blk = p.block_table[int64_t(b) * p.max_blocks + pos / p.block_size];
+  if (blk < 0 || blk >= p.num_blocks) return -1;
+  return int64_t(blk) * p.block_size + pos % p.block_size;
 }
 
-// Unit: the widest load/store the row size and the cache alignment allow (uint4 = 16 bytes).
+// Unit: the widest load/store the row size and the cache alignment allow (uint4 = 16 bytes,
+// picked by SPECDEC_DISPATCH_VEC_BYTES).
 template <typename Unit>
 __global__ void compact_kv_kernel(const CompactParams p) {
   const int b = blockIdx.x, layer = blockIdx.y;
@@ -71,33 +75,25 @@ void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
                      const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,
                      const at::Tensor& num_accepted) {
   const at::cuda::OptionalCUDAGuard guard(k_cache.device());
-  const int64_t L = k_cache.size(0), NB = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t L = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t row_bytes = k_cache.size(3) * k_cache.size(4) * k_cache.element_size();
-  const int64_t B = block_table.size(0), MB = block_table.size(1), T = accepted_nodes.size(1);
+  const int64_t B = block_table.size(0), max_blocks = block_table.size(1);
+  const int64_t T = accepted_nodes.size(1);
   if (B == 0 || L == 0 || row_bytes == 0) return;
   TORCH_CHECK(L <= 65535, "compact_kv (CUDA): at most 65535 layers, got ", L);
-  TORCH_CHECK(row_bytes < (int64_t(1) << 31) && NB < (int64_t(1) << 31) &&
-                  bs < (int64_t(1) << 31) && MB < (int64_t(1) << 31),
+  TORCH_CHECK(row_bytes < (int64_t(1) << 31) && num_blocks < (int64_t(1) << 31) &&
+                  block_size < (int64_t(1) << 31) && max_blocks < (int64_t(1) << 31),
               "compact_kv (CUDA): cache dimensions too large");
 
   cuda::CompactParams p{k_cache.data_ptr(), v_cache.data_ptr(),
                         block_table.data_ptr<int32_t>(), cache_lens.data_ptr<int32_t>(),
                         accepted_nodes.data_ptr<int32_t>(), num_accepted.data_ptr<int32_t>(),
-                        NB * bs, 0, int(NB), int(bs), int(MB), int(T)};
+                        num_blocks * block_size, 0, int(num_blocks), int(block_size),
+                        int(max_blocks), int(T)};
   // The widest unit that divides the row size and the alignment of both caches.
   const auto align = reinterpret_cast<uintptr_t>(k_cache.data_ptr()) |
                      reinterpret_cast<uintptr_t>(v_cache.data_ptr()) | uintptr_t(row_bytes);
-  if (align % 16 == 0) {
-    cuda::launch<uint4>(p, row_bytes, B, L);
-  } else if (align % 8 == 0) {
-    cuda::launch<uint2>(p, row_bytes, B, L);
-  } else if (align % 4 == 0) {
-    cuda::launch<uint32_t>(p, row_bytes, B, L);
-  } else if (align % 2 == 0) {
-    cuda::launch<uint16_t>(p, row_bytes, B, L);
-  } else {
-    cuda::launch<uint8_t>(p, row_bytes, B, L);
-  }
+  SPECDEC_DISPATCH_VEC_BYTES(align, Unit, { cuda::launch<Unit>(p, row_bytes, B, L); });
 }
 
 }  // namespace specdec

@@ -14,6 +14,9 @@
 // 32-bit order-preserving key of the values (threshold_key): 32 counting passes, exact,
 // no sort. Top-p masses are summed in 2^-32 fixed point so those sums are exact integers.
 // r is kept unnormalised (the acceptance test and the inverse CDF are scale invariant).
+// The kernel is instantiated per (target_logits, draft_probs) dtype pair of float32 /
+// float16 / bfloat16 (SPECDEC_DISPATCH_FLOAT_DTYPE); draft_probs of another floating dtype
+// are converted to float32 first.
 //
 // Rows the CPU kernel and the reference reject (documented fallback, no error is possible
 // on the device without a host sync): NaN logits count as -inf; a row whose maximum is
@@ -25,6 +28,8 @@
 #include <cmath>
 
 #include "cuda/common.cuh"
+#include "dispatch.h"
+#include "numeric_constants.h"
 #include "ops.h"
 
 namespace specdec {
@@ -34,13 +39,14 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kScanItems = 4;  // consecutive elements per thread in the inverse-CDF scan
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kMassScale = 4294967296.f;  // 2^32 fixed-point units per unit of weight
 
+// logit_t, prob_t: the dtypes of target_logits and draft_probs (float, c10::Half or
+// c10::BFloat16; prob_t is float when there are no draft probabilities).
+template <typename logit_t, typename prob_t>
 struct SampleParams {
-  const void* logits;         // [B, T, V]
-  const void* draft_probs;    // [B, T, V] or nullptr (point-mass drafts)
-  Dtype logit_dtype, draft_dtype;
+  const logit_t* logits;        // [B, T, V]
+  const prob_t* draft_probs;    // [B, T, V] or nullptr (point-mass drafts)
   const int32_t* draft_tokens;  // [B, T]
   const int32_t* parents;       // [B, T]
   const int32_t* num_nodes;     // [B]
@@ -126,11 +132,13 @@ __device__ uint32_t threshold_key(int V, uint64_t limit, KeyWeight key_weight, u
 }
 
 // r <- the processed target distribution p_u of node u (unnormalised); returns sum(r) > 0.
-__device__ float target_dist(const SampleParams& p, int b, int u, float* r, uint64_t* red) {
+template <typename logit_t, typename prob_t>
+__device__ float target_dist(const SampleParams<logit_t, prob_t>& p, int b, int u, float* r,
+                             uint64_t* red) {
   __syncthreads();  // every thread is done reading the previous residual
   const int V = p.V;
   const int64_t row = (int64_t(b) * p.T + u) * V;
-  const auto logit = [&](int t) { return sanitize(load_float(p.logits, p.logit_dtype, row + t)); };
+  const auto logit = [&](int t) { return sanitize(to_float(p.logits[row + t])); };
   const float temperature = p.temperature[b];
   if (!(temperature > 0.f)) {  // greedy
     ArgMax best{-INFINITY, INT_MAX};
@@ -190,8 +198,9 @@ __device__ float target_dist(const SampleParams& p, int b, int u, float* r, uint
 }
 
 // Residual update after rejecting draft token x at node u; returns the new sum(r).
-__device__ float reject(const SampleParams& p, int b, int u, int x, float R, float* r,
-                        uint64_t* red) {
+template <typename logit_t, typename prob_t>
+__device__ float reject(const SampleParams<logit_t, prob_t>& p, int b, int u, int x, float R,
+                        float* r, uint64_t* red) {
   __syncthreads();  // every thread has read r[x] for the acceptance test
   float sum = 0.f;
   if (p.draft_probs == nullptr) {  // point mass: r(x) <- 0
@@ -201,7 +210,7 @@ __device__ float reject(const SampleParams& p, int b, int u, int x, float R, flo
   } else {  // r <- max(r / sum(r) - q_u, 0)
     const int64_t row = (int64_t(b) * p.T + u) * p.V;
     for (int t = threadIdx.x; t < p.V; t += kThreads) {
-      const float w = fmaxf(r[t] / R - load_float(p.draft_probs, p.draft_dtype, row + t), 0.f);
+      const float w = fmaxf(r[t] / R - to_float(p.draft_probs[row + t]), 0.f);
       r[t] = w;
       sum += w;
     }
@@ -235,7 +244,9 @@ __device__ float block_exclusive_scan(float v, float* smem, float& total) {
 // Inverse CDF of r at u: the first t with cumsum(r)[t] > u * sum(r), scanned in chunks of
 // kThreads * kScanItems elements; if rounding leaves no such t, the last t with r[t] > 0
 // (the reference's rule). r must be fully written (target_dist / reject end in a barrier).
-__device__ int sample(const SampleParams& p, float R, float u, const float* r, uint64_t* red) {
+template <typename logit_t, typename prob_t>
+__device__ int sample(const SampleParams<logit_t, prob_t>& p, float R, float u, const float* r,
+                      uint64_t* red) {
   const float target = u * R;
   float running = 0.f;
   for (int64_t base = 0; base < p.V; base += int64_t(kThreads) * kScanItems) {
@@ -266,7 +277,9 @@ __device__ int sample(const SampleParams& p, float R, float u, const float* r, u
   return last >= 0 ? last : 0;
 }
 
-__global__ void __launch_bounds__(kThreads) tree_rejection_sample_kernel(const SampleParams p) {
+template <typename logit_t, typename prob_t>
+__global__ void __launch_bounds__(kThreads)
+    tree_rejection_sample_kernel(const SampleParams<logit_t, prob_t> p) {
   __shared__ uint64_t red[kWarps];  // reduction scratch (also viewed as float / int / ArgMax)
   const int b = blockIdx.x, T = p.T;
   float* r = p.resid + int64_t(b) * p.V;
@@ -293,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) tree_rejection_sample_kernel(const S
       const bool valid = x >= 0 && x < p.V;
       float q_x = 1.f;
       if (p.draft_probs != nullptr) {
-        q_x = valid ? load_float(p.draft_probs, p.draft_dtype, (int64_t(b) * T + u) * p.V + x) : 0.f;
+        q_x = valid ? to_float(p.draft_probs[(int64_t(b) * T + u) * p.V + x]) : 0.f;
       }
       const float r_x = valid ? r[x] : 0.f;
       if (valid && double(uniforms[c]) * double(q_x) * double(R) < double(r_x)) {
@@ -343,26 +356,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
     if (st != at::kFloat && st != at::kHalf && st != at::kBFloat16) dp = dp.to(at::kFloat);
     dp = dp.contiguous();
   }
-  SampleParams p{};
-  p.logits = target_logits.data_ptr();
-  p.logit_dtype = dtype_of(target_logits);
-  p.draft_probs = dp.defined() ? dp.data_ptr() : nullptr;
-  p.draft_dtype = dp.defined() ? dtype_of(dp) : Dtype::kFloat32;
-  p.draft_tokens = draft_tokens.data_ptr<int32_t>();
-  p.parents = parents.data_ptr<int32_t>();
-  p.num_nodes = num_nodes.data_ptr<int32_t>();
-  p.top_k = top_k.data_ptr<int32_t>();
-  p.temperature = temperature.data_ptr<float>();
-  p.top_p = top_p.data_ptr<float>();
-  p.uniforms = uniforms.data_ptr<float>();
-  p.resid = resid.data_ptr<float>();
-  p.accepted_nodes = accepted_nodes.data_ptr<int32_t>();
-  p.num_accepted = num_accepted.data_ptr<int32_t>();
-  p.output_tokens = output_tokens.data_ptr<int32_t>();
-  p.T = int(T);
-  p.V = int(V);
-  tree_rejection_sample_kernel<<<unsigned(B), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  SPECDEC_DISPATCH_FLOAT_DTYPE(target_logits.scalar_type(), logit_t, {
+    SPECDEC_DISPATCH_FLOAT_DTYPE(dp.defined() ? dp.scalar_type() : at::kFloat, prob_t, {
+      SampleParams<logit_t, prob_t> p{};
+      p.logits = static_cast<const logit_t*>(target_logits.data_ptr());
+      p.draft_probs = dp.defined() ? static_cast<const prob_t*>(dp.data_ptr()) : nullptr;
+      p.draft_tokens = draft_tokens.data_ptr<int32_t>();
+      p.parents = parents.data_ptr<int32_t>();
+      p.num_nodes = num_nodes.data_ptr<int32_t>();
+      p.top_k = top_k.data_ptr<int32_t>();
+      p.temperature = temperature.data_ptr<float>();
+      p.top_p = top_p.data_ptr<float>();
+      p.uniforms = uniforms.data_ptr<float>();
+      p.resid = resid.data_ptr<float>();
+      p.accepted_nodes = accepted_nodes.data_ptr<int32_t>();
+      p.num_accepted = num_accepted.data_ptr<int32_t>();
+      p.output_tokens = output_tokens.data_ptr<int32_t>();
+      p.T = int(T);
+      p.V = int(V);
+      tree_rejection_sample_kernel<logit_t, prob_t>
+          <<<unsigned(B), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
   return {accepted_nodes, num_accepted, output_tokens};
 }
 

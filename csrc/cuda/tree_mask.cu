@@ -14,15 +14,17 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// parents: [B, T]; num_nodes: [B]; mask: [B, T, W]; depth: [B, T]. Every element is written.
+// parents: [B, T]; num_nodes: [B]; mask: [B, T, mask_words], mask_words = ceil(T / 64);
+// depth: [B, T]. Every element is written.
 __global__ void __launch_bounds__(kThreads)
     build_tree_mask_kernel(const int32_t* __restrict__ parents, const int32_t* __restrict__ num_nodes,
-                           uint64_t* __restrict__ mask, int32_t* __restrict__ depth, int T, int W) {
+                           uint64_t* __restrict__ mask, int32_t* __restrict__ depth, int T,
+                           int mask_words) {
   const int b = blockIdx.x;
   const int n = min(max(num_nodes[b], 0), T);
   const int32_t* par = parents + int64_t(b) * T;
-  for (int idx = threadIdx.x; idx < T * W; idx += blockDim.x) {
-    const int i = idx / W, w = idx % W;
+  for (int idx = threadIdx.x; idx < T * mask_words; idx += blockDim.x) {
+    const int i = idx / mask_words, w = idx % mask_words;
     uint64_t word = 0;
     int d = 0;
     if (i < n) {
@@ -33,7 +35,7 @@ __global__ void __launch_bounds__(kThreads)
         j = p;
       }
     }
-    mask[(int64_t(b) * T + i) * W + w] = word;
+    mask[(int64_t(b) * T + i) * mask_words + w] = word;
     if (w == 0) depth[int64_t(b) * T + i] = d;
   }
 }
@@ -44,15 +46,15 @@ __global__ void __launch_bounds__(kThreads)
 std::tuple<at::Tensor, at::Tensor> build_tree_mask_cuda(const at::Tensor& parents,
                                                         const at::Tensor& num_nodes) {
   const at::cuda::OptionalCUDAGuard guard(parents.device());
-  const int64_t B = parents.size(0), T = parents.size(1), W = (T + 63) / 64;
-  TORCH_CHECK(T * W < (int64_t(1) << 31), "build_tree_mask: T = ", T, " is too large");
-  at::Tensor mask = at::empty({B, T, W}, parents.options().dtype(at::kLong));
+  const int64_t B = parents.size(0), T = parents.size(1), mask_words = (T + 63) / 64;
+  TORCH_CHECK(T * mask_words < (int64_t(1) << 31), "build_tree_mask: T = ", T, " is too large");
+  at::Tensor mask = at::empty({B, T, mask_words}, parents.options().dtype(at::kLong));
   at::Tensor depth = at::empty({B, T}, parents.options().dtype(at::kInt));
   if (B == 0) return {mask, depth};
   cuda::build_tree_mask_kernel<<<B, cuda::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       parents.data_ptr<int32_t>(), num_nodes.data_ptr<int32_t>(),
       reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>()), depth.data_ptr<int32_t>(), int(T),
-      int(W));
+      int(mask_words));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {mask, depth};
 }

@@ -6,8 +6,9 @@
 // set). Rows i >= n and rows with no key are zero, as in reference.tree_verify.
 //
 // Work split: one CTA per (split, kv head h [x row tile], request b). The CTA holds all query
-// rows that share KV head h (row r = t * G + g <-> node t, query head h * G + g, G = Hq / Hkv;
-// at most kRowsPerCta of them per CTA, more rows take more row tiles) so each K/V tile
+// rows that share KV head h (row r = t * group_size + g <-> node t, query head
+// h * group_size + g, group_size = Hq / Hkv: rows_per_head = T * group_size rows; at most
+// kRowsPerCta of them per CTA, more rows take more row tiles) so each K/V tile
 // loaded into shared memory serves the whole GQA group. A split covers a fixed range of
 // chunk positions; the number of splits depends on shapes only (never on cache_lens
 // values), so the launch is CUDA-graph safe. With more than one split, each split writes
@@ -21,10 +22,13 @@
 //           reductions over the 32 keys of the tile;
 //   P @ V:  lane = output columns lane, lane + 32, ...; probabilities broadcast from shared.
 // Accumulation is fp32 for every input dtype. Head dims up to 256 are padded to the next
-// of 32 / 64 / 128 / 256 (DP, the template parameter) with zeros.
+// of 32 / 64 / 128 / 256 (DP, the template parameter, from SPECDEC_DISPATCH_HEAD_DIM) with
+// zeros.
 #include <cmath>
 
 #include "cuda/common.cuh"
+#include "dispatch.h"
+#include "numeric_constants.h"
 #include "ops.h"
 
 namespace specdec {
@@ -37,25 +41,28 @@ constexpr int kRowsPerWarp = 8;
 constexpr int kRowsPerCta = kWarps * kRowsPerWarp;
 constexpr int kKeyTile = kWarpSize;  // one key per lane in the score phase
 constexpr int kMinSplitKeys = 256;   // a split covers at least this many positions
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <typename scalar_t>
 struct VerifyParams {
   const scalar_t* q;            // [B, T, Hq, D]
-  const scalar_t* k;            // [NB, bs, Hkv, D]
-  const scalar_t* v;            // [NB, bs, Hkv, D]
-  const int32_t* block_table;   // [B, MB]
+  const scalar_t* k;            // [num_blocks, block_size, Hkv, D]
+  const scalar_t* v;            // [num_blocks, block_size, Hkv, D]
+  const int32_t* block_table;   // [B, max_blocks]
   const int32_t* cache_lens;    // [B]
   const int32_t* num_nodes;     // [B]
-  const uint64_t* tree_mask;    // [B, T, W]
+  const uint64_t* tree_mask;    // [B, T, mask_words]
   scalar_t* out;                // [B, T, Hq, D]: written when num_splits == 1
   float* part_out;              // [num_splits, B, T, Hq, D]: written when num_splits > 1
   float* part_lse;              // [num_splits, B, T, Hq] (log2 domain; -inf = no key)
   float scale_log2;             // sm_scale * log2(e)
-  int B, T, Hq, Hkv, G, D, NB, bs, MB, W;
-  int R;                        // rows per (request, kv head): T * G
-  int rows_alloc;               // rows of Q / P held in shared memory: min(R, kRowsPerCta)
-  int S;                        // positions a block table row maps: MB * bs
+  int B, T, Hq, Hkv, D;
+  int group_size;               // query heads per KV head: Hq / Hkv
+  int num_blocks, block_size;   // cache blocks, positions per block
+  int max_blocks;               // block table entries per request
+  int mask_words;               // 64-bit words per tree_mask row: ceil(T / 64)
+  int rows_per_head;            // query rows per (request, kv head): T * group_size
+  int rows_alloc;               // rows of Q / P in shared memory: min(rows_per_head, kRowsPerCta)
+  int max_positions;            // positions a block table row maps: max_blocks * block_size
   int chunk;                    // positions per split (a multiple of kKeyTile)
   int num_splits;
   bool vec_ok;                  // K / V rows can be read with 16-byte loads
@@ -83,8 +90,10 @@ __device__ __forceinline__ void load_kv_tile(const VerifyParams<scalar_t>& p, in
 #pragma unroll
     for (int e = 0; e < kVec; ++e) kv[e] = vv[e] = 0.f;
     if (pos < kend) {
-      const int blk = min(max(p.block_table[int64_t(b) * p.MB + pos / p.bs], 0), p.NB - 1);
-      const int64_t base = ((int64_t(blk) * p.bs + pos % p.bs) * p.Hkv + h) * p.D + d0;
+      const int entry = p.block_table[int64_t(b) * p.max_blocks + pos / p.block_size];
+      const int blk = min(max(entry, 0), p.num_blocks - 1);
+      const int64_t row = int64_t(blk) * p.block_size + pos % p.block_size;
+      const int64_t base = (row * p.Hkv + h) * p.D + d0;
       if (p.vec_ok) {  // D % kVec == 0, so a chunk starting below D ends within the row
         if (d0 < p.D) {
           alignas(16) scalar_t kt[kVec], vt[kVec];
@@ -130,19 +139,21 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kerne
   const int n = min(max(p.num_nodes[b], 0), p.T);
   const int c = p.cache_lens[b];
   const int64_t tree_end = int64_t(c) + n;  // 64-bit: c may be anything when unvalidated
-  const int ctx_end = tree_end <= 0 ? 0 : tree_end >= p.S ? p.S : int(tree_end);
-  const int kbeg = split * p.chunk;  // S < 2^30 (host check), so no int overflow here
+  const int ctx_end =
+      tree_end <= 0 ? 0 : tree_end >= p.max_positions ? p.max_positions : int(tree_end);
+  const int kbeg = split * p.chunk;  // max_positions < 2^30 (host check): no int overflow here
   const int kend = min(kbeg + p.chunk, ctx_end);
 
-  // Rows are ordered by node t, so rows with t < n are a prefix: [0, min(R, n * G)).
-  const int rows_cta = min(p.R - row0, kRowsPerCta);
-  const int rows_live = min(p.R, n * p.G) - row0;  // may be <= 0
+  // Rows are ordered by node t, so rows with t < n are a prefix:
+  // [0, min(rows_per_head, n * group_size)).
+  const int rows_cta = min(p.rows_per_head - row0, kRowsPerCta);
+  const int rows_live = min(p.rows_per_head, n * p.group_size) - row0;  // may be <= 0
   // Slots i < nrows of this warp (local rows warp + kWarps * i) are live rows.
   const int nrows = rows_live > warp ? min(kRowsPerWarp, (rows_live - warp + kWarps - 1) / kWarps) : 0;
 
   for (int idx = threadIdx.x; idx < rows_cta * DP; idx += kThreads) {
     const int rl = idx / DP, d = idx % DP, r = row0 + rl;
-    const int t = r / p.G, hq = h * p.G + r % p.G;
+    const int t = r / p.group_size, hq = h * p.group_size + r % p.group_size;
     float x = 0.f;
     if (d < p.D && t < n) x = to_float(p.q[((int64_t(b) * p.T + t) * p.Hq + hq) * p.D + d]) * p.scale_log2;
     Qs[rl * DP + d] = x;
@@ -184,11 +195,11 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kerne
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       if (i < nrows) {
-        const int t = (row0 + warp + kWarps * i) / p.G;
+        const int t = (row0 + warp + kWarps * i) / p.group_size;
         bool ok = pos < kend;
         if (ok && pos >= c) {  // tree node j = pos - c, 0 <= j < n since pos < kend <= c + n
           const int j = pos - c;
-          const uint64_t word = p.tree_mask[(int64_t(b) * p.T + t) * p.W + j / 64];
+          const uint64_t word = p.tree_mask[(int64_t(b) * p.T + t) * p.mask_words + j / 64];
           ok = (word >> (j % 64)) & 1u;
         }
         const float x = ok ? s[i] : -INFINITY;
@@ -238,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kerne
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int rl = warp + kWarps * i;
     if (rl < rows_cta) {
-      const int r = row0 + rl, t = r / p.G, hq = h * p.G + r % p.G;
+      const int r = row0 + rl, t = r / p.group_size, hq = h * p.group_size + r % p.group_size;
       const bool has_key = i < nrows && l[i] > 0.f;
       const float inv_l = has_key ? 1.f / l[i] : 0.f;
       const int64_t orow = (int64_t(b) * p.T + t) * p.Hq + hq;
@@ -290,11 +301,12 @@ __global__ void merge_splits_kernel(const float* __restrict__ part_out,
 
 // Splits: enough CTAs for ~2 waves when the (request, head, row tile) grid alone is small,
 // each split covering >= kMinSplitKeys positions. Uses shapes and the SM count only.
-int64_t choose_chunk(int64_t S, int64_t base_ctas) {
+int64_t choose_chunk(int64_t max_positions, int64_t base_ctas) {
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t splits = base_ctas < 2 * sms ? ceil_div(2 * sms, base_ctas) : 1;
-  splits = std::max<int64_t>(1, std::min(splits, ceil_div(S, kMinSplitKeys)));
-  return std::max<int64_t>(kKeyTile, ceil_div(ceil_div(S, splits), kKeyTile) * kKeyTile);
+  splits = std::max<int64_t>(1, std::min(splits, ceil_div(max_positions, kMinSplitKeys)));
+  const int64_t per_split = ceil_div(max_positions, splits);
+  return std::max<int64_t>(kKeyTile, ceil_div(per_split, kKeyTile) * kKeyTile);
 }
 
 template <typename scalar_t, int DP>
@@ -319,18 +331,21 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   using namespace cuda;
   const at::cuda::OptionalCUDAGuard guard(q.device());
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
-  const int64_t NB = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t MB = block_table.size(1), G = Hq / Hkv, R = T * G, S = MB * bs;
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t max_blocks = block_table.size(1), max_positions = max_blocks * block_size;
+  const int64_t group_size = Hq / Hkv, rows_per_head = T * group_size;
   TORCH_CHECK(D <= 256, "tree_verify (CUDA): head dim D must be <= 256, got ", D);
-  const int64_t row_tiles = ceil_div(R, kRowsPerCta);
+  const int64_t row_tiles = ceil_div(rows_per_head, kRowsPerCta);
   TORCH_CHECK(B <= 65535 && Hkv * row_tiles <= 65535,
-              "tree_verify (CUDA): grid too large (B = ", B, ", Hkv = ", Hkv, ", T * Hq / Hkv = ", R, ")");
-  TORCH_CHECK(S < (int64_t(1) << 30) && NB < (int64_t(1) << 31) && B * T * Hq < (int64_t(1) << 31),
+              "tree_verify (CUDA): grid too large (B = ", B, ", Hkv = ", Hkv,
+              ", T * Hq / Hkv = ", rows_per_head, ")");
+  TORCH_CHECK(max_positions < (int64_t(1) << 30) && num_blocks < (int64_t(1) << 31) &&
+                  B * T * Hq < (int64_t(1) << 31),
               "tree_verify (CUDA): sizes too large");
 
   at::Tensor out = at::empty_like(q);
-  const int64_t chunk = choose_chunk(std::max<int64_t>(S, 1), B * Hkv * row_tiles);
-  const int64_t num_splits = ceil_div(std::max<int64_t>(S, 1), chunk);
+  const int64_t chunk = choose_chunk(std::max<int64_t>(max_positions, 1), B * Hkv * row_tiles);
+  const int64_t num_splits = ceil_div(std::max<int64_t>(max_positions, 1), chunk);
   at::Tensor part_out, part_lse;
   if (num_splits > 1) {  // scratch sized from shapes only: graph safe
     part_out = at::empty({num_splits, B, T, Hq, D}, q.options().dtype(at::kFloat));
@@ -339,7 +354,7 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const dim3 grid(unsigned(num_splits), unsigned(Hkv * row_tiles), unsigned(B));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  SPECDEC_DISPATCH_ATTN_TYPES(q.scalar_type(), "tree_verify_cuda", [&] {
+  SPECDEC_DISPATCH_FLOAT_DTYPE(q.scalar_type(), scalar_t, {
     constexpr int kVec = 16 / sizeof(scalar_t);
     const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
     VerifyParams<scalar_t> p{};
@@ -354,20 +369,16 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     p.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
     p.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
     p.scale_log2 = float(sm_scale) * kLog2e;
-    p.B = int(B), p.T = int(T), p.Hq = int(Hq), p.Hkv = int(Hkv), p.G = int(G), p.D = int(D);
-    p.NB = int(NB), p.bs = int(bs), p.MB = int(MB), p.W = int((T + 63) / 64);
-    p.R = int(R), p.rows_alloc = int(std::min<int64_t>(R, kRowsPerCta)), p.S = int(S);
+    p.B = int(B), p.T = int(T), p.Hq = int(Hq), p.Hkv = int(Hkv), p.D = int(D);
+    p.group_size = int(group_size);
+    p.num_blocks = int(num_blocks), p.block_size = int(block_size), p.max_blocks = int(max_blocks);
+    p.mask_words = int((T + 63) / 64);
+    p.rows_per_head = int(rows_per_head);
+    p.rows_alloc = int(std::min<int64_t>(rows_per_head, kRowsPerCta));
+    p.max_positions = int(max_positions);
     p.chunk = int(chunk), p.num_splits = int(num_splits);
     p.vec_ok = D % kVec == 0 && aligned(k_cache) && aligned(v_cache);
-    if (D <= 32) {
-      launch<scalar_t, 32>(p, grid, stream);
-    } else if (D <= 64) {
-      launch<scalar_t, 64>(p, grid, stream);
-    } else if (D <= 128) {
-      launch<scalar_t, 128>(p, grid, stream);
-    } else {
-      launch<scalar_t, 256>(p, grid, stream);
-    }
+    SPECDEC_DISPATCH_HEAD_DIM(D, DP, { launch<scalar_t, DP>(p, grid, stream); });
     if (num_splits > 1) {
       const int64_t rows = B * T * Hq;
       const int threads = int(std::min<int64_t>(256, ceil_div(D, kWarpSize) * kWarpSize));
