@@ -91,7 +91,7 @@ def bench_one(run, B, context, T, accepted, dtype):
     row["naive_us"] = naive * 1e6
     fns = run.time_backends(row, sk.compact_kv, sets, naive, floor, 3, 30 if run.device.type == "cpu" else 100)
     for b, fn in fns.items():
-        row[f"{b}_launches"] = count_launches(lambda: fn(*sets[0]), run.device)
+        row[f"{b}_launches"] = count_launches(lambda fn=fn: fn(*sets[0]), run.device)
     add_goals(row, run)
     run.add(row)
 

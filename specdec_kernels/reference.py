@@ -182,7 +182,7 @@ def tree_rejection_sample(
         for c in range(1, n):
             children[int(parents[b, c])].append(c)
 
-        def target(node):
+        def target(node, b=b):  # request b of this iteration
             logits = target_logits[b, node]
             if torch.isnan(logits).any() or not torch.isfinite(logits.max()):
                 raise RuntimeError(f"target_logits[{b}, {node}] has NaN, +inf or only -inf entries")

@@ -120,7 +120,7 @@ class CostModel:
             parents = torch.arange(-1, T - 1, dtype=torch.int32, device=dev).expand(B, T).contiguous()
             num_nodes = torch.full((B,), T, dtype=torch.int32, device=dev)
 
-            def verify():
+            def verify(tokens=tokens, parents=parents, num_nodes=num_nodes):  # bound now, not late
                 mask, depth = ops.build_tree_mask(parents, num_nodes)
                 model(tokens, cache, slots, num_nodes, mask, depth, feature_layers)
             verify_s.append(_median_time(verify, repeats, dev))
@@ -133,7 +133,7 @@ class CostModel:
         head_cache.cache_lens.fill_(context)
         hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
         roots = torch.zeros(B, dtype=torch.long, device=dev)
-        draft_s = [_median_time(lambda: draft_dynamic(TreeSpec("dynamic", levels, spec.topk, spec.total), head,
+        draft_s = [_median_time(lambda levels=levels: draft_dynamic(TreeSpec("dynamic", levels, spec.topk, spec.total), head,
                                                       hidden, head_cache, slots, roots), repeats, dev)
                    for levels in range(1, spec.depth + 1)]
         return cls(B, sizes[:len(verify_s)], verify_s, draft_s)

@@ -192,7 +192,7 @@ def head_train_forward(head, tokens, features, steps: int = 1) -> list:
     for step in range(1, steps + 1):
         mask = _draft_mask(S, step, tokens.device)
 
-        def attend(q, k, v):
+        def attend(q, k, v, mask=mask):  # this step's mask, bound now
             keys.append(k)
             values.append(v)
             out = F.scaled_dot_product_attention(
