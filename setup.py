@@ -2,6 +2,7 @@
 
 CPU kernels always; CUDA kernels too when torch has CUDA and nvcc is found.
 """
+
 import importlib.util
 import os
 
@@ -9,7 +10,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 _spec = importlib.util.spec_from_file_location(
-    "_specdec_build", os.path.join(os.path.dirname(os.path.abspath(__file__)), "specdec_kernels", "_build.py")
+    "_specdec_build",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "specdec_kernels", "_build.py"),
 )
 build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
@@ -23,7 +25,10 @@ def extension():
             rel(build.cpp_sources() + build.cuda_sources()),
             include_dirs=build.include_dirs(),
             define_macros=[("SPECDEC_WITH_CUDA", None)],
-            extra_compile_args={"cxx": build.CXX_FLAGS, "nvcc": build.NVCC_FLAGS + build.cuda_arch_flags()},
+            extra_compile_args={
+                "cxx": build.CXX_FLAGS,
+                "nvcc": build.NVCC_FLAGS + build.cuda_arch_flags(),
+            },
         )
     return CppExtension(
         "specdec_kernels._C",

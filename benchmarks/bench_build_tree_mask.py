@@ -7,6 +7,7 @@ Goal: CPU (issue 2) ours >= 3x naive.
 
     python benchmarks/bench_build_tree_mask.py [--quick] [--device cpu|cuda] [--json PATH]
 """
+
 import os
 import sys
 
@@ -35,10 +36,14 @@ def bench_one(run, B, T):
     # The reference walks every node in Python (a host sync per node on CUDA): few iterations.
     naive = time_fn(sk.reference.build_tree_mask, 0, 3, run.device, sets)
     row["naive_us"] = naive * 1e6
-    fns = run.time_backends(row, sk.build_tree_mask, sets, naive, floor, 3, 30 if run.device.type == "cpu" else 100)
+    fns = run.time_backends(
+        row, sk.build_tree_mask, sets, naive, floor, 3, 30 if run.device.type == "cpu" else 100
+    )
     for b, fn in fns.items():
         row[f"{b}_same_as_naive"] = all(torch.equal(g, e) for g, e in zip(fn(*args), expected))
-        row[f"{b}_goal"] = goal_status(row[f"{b}_speedup"] >= 3 if run.device.type == "cpu" else None)
+        row[f"{b}_goal"] = goal_status(
+            row[f"{b}_speedup"] >= 3 if run.device.type == "cpu" else None
+        )
     run.add(row)
 
 
@@ -54,7 +59,13 @@ def main():
         bench_one(run, B, T)
     columns = ["B", "T", "naive_us"]
     for b in run.backends:
-        columns += [f"{b}_us", f"{b}_speedup", f"{b}_frac_copy_bw", f"{b}_same_as_naive", f"{b}_goal"]
+        columns += [
+            f"{b}_us",
+            f"{b}_speedup",
+            f"{b}_frac_copy_bw",
+            f"{b}_same_as_naive",
+            f"{b}_goal",
+        ]
     run.finish(columns)
 
 

@@ -15,6 +15,7 @@ On CPU nothing is rotated, so rows that stay in the CPU caches can beat the copy
 
     python benchmarks/bench_compact_kv.py [--quick] [--device cpu|cuda] [--json PATH]
 """
+
 import os
 import sys
 
@@ -40,7 +41,9 @@ def make_case(B, context, T, accepted, dtype, device):
     block_table = torch.randperm(num_blocks, device=device).view(B, blocks_per_seq).int()
     cache_lens = torch.full((B,), context, dtype=torch.int32, device=device)
     # path 0 -> T-accepted+1 -> ... -> T-1: accepted nodes sit at the end, all rows move
-    path = torch.cat([torch.zeros(1, dtype=torch.int32), torch.arange(T - accepted + 1, T, dtype=torch.int32)])
+    path = torch.cat(
+        [torch.zeros(1, dtype=torch.int32), torch.arange(T - accepted + 1, T, dtype=torch.int32)]
+    )
     acc = torch.full((B, T), -1, dtype=torch.int32)
     acc[:, :accepted] = path
     num_acc = torch.full((B,), accepted - 1, dtype=torch.int32)
@@ -75,8 +78,12 @@ def add_goals(row, run):
     for b in run.backends:
         if run.device.type == "cpu":
             row[f"{b}_goal"] = goal_status(row[f"{b}_speedup"] >= 3)
-        elif row["B"] == GOAL_B:  # an unknown launch count (no profiler) counts as one: by construction
-            row[f"{b}_goal"] = goal_status(row[f"{b}_launches"] in (1, None) and row[f"{b}_us"] < GOAL_US)
+        elif (
+            row["B"] == GOAL_B
+        ):  # an unknown launch count (no profiler) counts as one: by construction
+            row[f"{b}_goal"] = goal_status(
+                row[f"{b}_launches"] in (1, None) and row[f"{b}_us"] < GOAL_US
+            )
         else:
             row[f"{b}_goal"] = goal_status(None)
 
@@ -85,11 +92,21 @@ def bench_one(run, B, context, T, accepted, dtype):
     case = make_case(B, context, T, accepted, dtype, run.device)
     floor = floor_bytes(B, accepted, case[0].element_size())
     sets = rotated_inputs(case, floor, run.device)
-    row = {"B": B, "layers": L, "T": T, "accepted": accepted, "dtype": str(dtype).split(".")[-1],
-           "copies": len(sets), "floor_MB": floor / 1e6, "floor_us": floor / (run.copy_gbps * 1e9) * 1e6}
+    row = {
+        "B": B,
+        "layers": L,
+        "T": T,
+        "accepted": accepted,
+        "dtype": str(dtype).split(".")[-1],
+        "copies": len(sets),
+        "floor_MB": floor / 1e6,
+        "floor_us": floor / (run.copy_gbps * 1e9) * 1e6,
+    }
     naive = time_fn(sk.reference.compact_kv, 1, 5, run.device, sets)
     row["naive_us"] = naive * 1e6
-    fns = run.time_backends(row, sk.compact_kv, sets, naive, floor, 3, 30 if run.device.type == "cpu" else 100)
+    fns = run.time_backends(
+        row, sk.compact_kv, sets, naive, floor, 3, 30 if run.device.type == "cpu" else 100
+    )
     for b, fn in fns.items():
         row[f"{b}_launches"] = count_launches(lambda fn=fn: fn(*sets[0]), run.device)
     add_goals(row, run)
@@ -101,7 +118,9 @@ def main():
     cuda = opts.device.startswith("cuda")
     batches = [1, 16] if opts.quick else ([1, 64, 128] if cuda else [1, 8, 16])
     context = 512 if cuda else 256
-    run = BenchRun(opts, "compact_kv", {"context": context, "layers": L, "Hkv": HKV, "D": D, "block_size": BS})
+    run = BenchRun(
+        opts, "compact_kv", {"context": context, "layers": L, "Hkv": HKV, "D": D, "block_size": BS}
+    )
     for B in batches:
         for T, accepted in TREES:
             bench_one(run, B, context, T, accepted, torch.bfloat16)

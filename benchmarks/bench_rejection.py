@@ -18,6 +18,7 @@ Goals: CPU (issue 2) ours >= 3x naive; CUDA (issue 3) at V >= 128k, >= 10x naive
     python benchmarks/bench_rejection.py --threads 1 # one CPU thread for both (steadier on a busy box)
     python benchmarks/bench_rejection.py --device cuda
 """
+
 import os
 import sys
 
@@ -31,8 +32,12 @@ import specdec_kernels as sk  # noqa: E402
 from specdec_kernels.testing import random_trees, rotated_inputs, time_fn  # noqa: E402
 
 # mode: (temperature, top_k, top_p, with draft_probs)
-MODES = {"greedy": (0.0, 0, 1.0, False), "top_k50": (0.8, 50, 1.0, False),
-         "top_p0.9": (0.8, 0, 0.9, False), "draft_probs": (0.8, 0, 1.0, True)}
+MODES = {
+    "greedy": (0.0, 0, 1.0, False),
+    "top_k50": (0.8, 50, 1.0, False),
+    "top_p0.9": (0.8, 0, 0.9, False),
+    "draft_probs": (0.8, 0, 1.0, True),
+}
 PLANT_PROB, PLANT_BOOST = 0.8, 16.0
 
 
@@ -47,7 +52,11 @@ def plant(parents, V):
             if u not in seen and torch.rand(()) < PLANT_PROB:
                 bs.append(b), us.append(u), cs.append(c)
             seen.add(u)
-    return torch.tensor(bs, dtype=torch.long), torch.tensor(us, dtype=torch.long), torch.tensor(cs, dtype=torch.long)
+    return (
+        torch.tensor(bs, dtype=torch.long),
+        torch.tensor(us, dtype=torch.long),
+        torch.tensor(cs, dtype=torch.long),
+    )
 
 
 def make_inputs(B, T, V, mode, device):
@@ -60,9 +69,18 @@ def make_inputs(B, T, V, mode, device):
     logits[b.to(device), u.to(device), draft[b, c].long().to(device)] += PLANT_BOOST
     probs = torch.softmax(torch.randn(B, T, V, device=device), -1) if with_probs else None
     small = (draft, parents, num_nodes)
-    params = (torch.full((B,), temperature), torch.full((B,), top_k, dtype=torch.int32),
-              torch.full((B,), top_p), torch.rand(B, T + 1))
-    return (logits,) + tuple(a.to(device) for a in small) + (probs,) + tuple(a.to(device) for a in params)
+    params = (
+        torch.full((B,), temperature),
+        torch.full((B,), top_k, dtype=torch.int32),
+        torch.full((B,), top_p),
+        torch.rand(B, T + 1),
+    )
+    return (
+        (logits,)
+        + tuple(a.to(device) for a in small)
+        + (probs,)
+        + tuple(a.to(device) for a in params)
+    )
 
 
 def visited_rows(parents, accepted_nodes, num_accepted):
@@ -81,7 +99,9 @@ def floor_bytes(inputs, outputs):
     logits, probs = inputs[0], inputs[4]
     visited, inner = visited_rows(inputs[2], outputs[0], outputs[1])
     V = logits.shape[-1]
-    return visited * V * logits.element_size() + (inner * V * probs.element_size() if probs is not None else 0)
+    return visited * V * logits.element_size() + (
+        inner * V * probs.element_size() if probs is not None else 0
+    )
 
 
 def add_goals(row, run):
@@ -100,16 +120,33 @@ def bench_one(run, B, T, V, mode):
     expected = sk.reference.tree_rejection_sample(*inputs)
     floor = floor_bytes(inputs, expected)
     sets = rotated_inputs(inputs, floor, run.device)
-    row = {"B": B, "T": T, "V": V, "mode": mode, "rows_visited": int(expected[1].sum() + B) / B,
-           "copies": len(sets), "floor_MB": floor / 1e6}
+    row = {
+        "B": B,
+        "T": T,
+        "V": V,
+        "mode": mode,
+        "rows_visited": int(expected[1].sum() + B) / B,
+        "copies": len(sets),
+        "floor_MB": floor / 1e6,
+    }
     # The reference walks in Python (host syncs on CUDA) and sorts visited rows: few iterations.
     naive = time_fn(sk.reference.tree_rejection_sample, 0, 3, run.device, sets)
     row["naive_ms"] = naive * 1e3
-    fns = run.time_backends(row, sk.tree_rejection_sample, sets, naive, floor, 2,
-                            10 if run.device.type == "cpu" else 50, unit="ms")
+    fns = run.time_backends(
+        row,
+        sk.tree_rejection_sample,
+        sets,
+        naive,
+        floor,
+        2,
+        10 if run.device.type == "cpu" else 50,
+        unit="ms",
+    )
     for b, fn in fns.items():
         got = fn(*sets[0])  # same uniforms: the exact rule must give the reference's walk
-        row[f"{b}_same_as_naive"] = all(torch.equal(g.cpu(), e.cpu()) for g, e in zip(got, expected))
+        row[f"{b}_same_as_naive"] = all(
+            torch.equal(g.cpu(), e.cpu()) for g, e in zip(got, expected)
+        )
     add_goals(row, run)
     run.add(row)
 
@@ -126,15 +163,30 @@ def main():
     ap = bench_parser(__doc__)
     ap.add_argument("--modes", default=",".join(MODES), help="comma list of " + ",".join(MODES))
     opts = ap.parse_args()
-    run = BenchRun(opts, "rejection", {"logits_dtype": "float32", "tree": "bushy, full",
-                                       "plant_prob": PLANT_PROB, "plant_boost": PLANT_BOOST})
+    run = BenchRun(
+        opts,
+        "rejection",
+        {
+            "logits_dtype": "float32",
+            "tree": "bushy, full",
+            "plant_prob": PLANT_PROB,
+            "plant_boost": PLANT_BOOST,
+        },
+    )
     for B, T, V in shapes(opts.quick, run.device.type == "cuda"):
         for mode in opts.modes.split(","):
             bench_one(run, B, T, V, mode)
     columns = ["B", "T", "V", "mode", "rows_visited", "naive_ms"]
     for b in run.backends:
-        columns += [f"{b}_ms", f"{b}_speedup", f"{b}_frac_copy_bw", f"{b}_same_as_naive", f"{b}_goal",
-                    f"{b}_vs_naive_goal", f"{b}_bw_goal"]
+        columns += [
+            f"{b}_ms",
+            f"{b}_speedup",
+            f"{b}_frac_copy_bw",
+            f"{b}_same_as_naive",
+            f"{b}_goal",
+            f"{b}_vs_naive_goal",
+            f"{b}_bw_goal",
+        ]
     run.finish(columns)
 
 

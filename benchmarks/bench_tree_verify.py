@@ -17,6 +17,7 @@ beside ours when `flashinfer` can be imported.
     python benchmarks/bench_tree_verify.py --quick    # a few shapes, for a smoke test
     python benchmarks/bench_tree_verify.py --device cuda   # cpp and triton, bfloat16
 """
+
 import os
 import sys
 
@@ -42,9 +43,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # CPU (B, T, context): one axis at a time around (4, 32, 2048), plus the corners that matter
 # for decoding (a single long request; many short ones). --full: B x T x context cross product.
 CPU_SHAPES = [
-    (1, 8, 512), (1, 32, 2048), (1, 64, 8192),
-    (4, 8, 2048), (4, 32, 512), (4, 32, 2048), (4, 64, 2048), (4, 32, 8192),
-    (16, 8, 2048), (16, 32, 512),
+    (1, 8, 512),
+    (1, 32, 2048),
+    (1, 64, 8192),
+    (4, 8, 2048),
+    (4, 32, 512),
+    (4, 32, 2048),
+    (4, 64, 2048),
+    (4, 32, 8192),
+    (16, 8, 2048),
+    (16, 32, 512),
 ]
 CPU_FULL_SHAPES = [(b, t, c) for b in (1, 4, 16) for t in (8, 32, 64) for c in (512, 2048, 8192)]
 CPU_QUICK_SHAPES = [(1, 8, 512), (4, 32, 2048)]
@@ -119,7 +127,11 @@ def time_flashinfer(sets, row, run, warmup, iters, scale):
         row["flashinfer_note"] = f"{type(e).__name__}: {e}"[:200]
         return
     row["flashinfer_ms"] = t * 1e3
-    row.update(run.bandwidth("flashinfer", floor_bytes(row["B"], row["T"], row["context"], sets[0][0].dtype), t))
+    row.update(
+        run.bandwidth(
+            "flashinfer", floor_bytes(row["B"], row["T"], row["context"], sets[0][0].dtype), t
+        )
+    )
 
 
 def add_goals(row, run):
@@ -139,13 +151,27 @@ def bench_one(run, B, T, context, dtype_name, warmup, iters, with_flashinfer):
     args = make_inputs(B, T, context, dtype, run.device)
     floor = floor_bytes(B, T, context, dtype)
     sets = rotated_inputs(args, floor, run.device)
-    scale = D ** -0.5
-    row = {"dtype": dtype_name, "B": B, "T": T, "context": context, "copies": len(sets),
-           "floor_MB": floor / 1e6}
+    scale = D**-0.5
+    row = {
+        "dtype": dtype_name,
+        "B": B,
+        "T": T,
+        "context": context,
+        "copies": len(sets),
+        "floor_MB": floor / 1e6,
+    }
     expected = time_naive(sets, row, warmup, iters, run.device, scale)
     naive = row["naive_ms"] / 1e3 if row["naive_ms"] else None
-    fns = run.time_backends(row, lambda *a, backend: sk.tree_verify(*a, scale, backend=backend), sets, naive,
-                            floor, warmup, iters, unit="ms")
+    fns = run.time_backends(
+        row,
+        lambda *a, backend: sk.tree_verify(*a, scale, backend=backend),
+        sets,
+        naive,
+        floor,
+        warmup,
+        iters,
+        unit="ms",
+    )
     for b, fn in fns.items():
         if expected is not None:  # a sanity check that the timed kernel computes the op
             out = fn(*sets[0])
@@ -158,9 +184,16 @@ def bench_one(run, B, T, context, dtype_name, warmup, iters, with_flashinfer):
 
 def main():
     ap = bench_parser(__doc__)
-    ap.add_argument("--full", action="store_true", help="CPU: the full B x T x context cross product")
-    ap.add_argument("--dtypes", default=None,
-                    help="comma list of " + ",".join(DTYPES) + " (default float32,bfloat16 on CPU, bfloat16 on CUDA)")
+    ap.add_argument(
+        "--full", action="store_true", help="CPU: the full B x T x context cross product"
+    )
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma list of "
+        + ",".join(DTYPES)
+        + " (default float32,bfloat16 on CPU, bfloat16 on CUDA)",
+    )
     opts = ap.parse_args()
     cuda = opts.device.startswith("cuda")
     if cuda:
@@ -170,16 +203,41 @@ def main():
     else:
         shapes, warmup, iters = (CPU_FULL_SHAPES if opts.full else CPU_SHAPES), 2, 7
     dtypes = (opts.dtypes or ("bfloat16" if cuda else "float32,bfloat16")).split(",")
-    run = BenchRun(opts, "tree_verify", {"Hq": HQ, "Hkv": HKV, "D": D, "block_size": BLOCK_SIZE,
-                                         "warmup": warmup, "iters": iters, "tree": "random, full"})
+    run = BenchRun(
+        opts,
+        "tree_verify",
+        {
+            "Hq": HQ,
+            "Hkv": HKV,
+            "D": D,
+            "block_size": BLOCK_SIZE,
+            "warmup": warmup,
+            "iters": iters,
+            "tree": "random, full",
+        },
+    )
     for dtype_name in dtypes:
         for B, T, context in shapes:
-            bench_one(run, B, T, context, dtype_name, warmup, iters,
-                      with_flashinfer=cuda and dtype_name != "float32")
+            bench_one(
+                run,
+                B,
+                T,
+                context,
+                dtype_name,
+                warmup,
+                iters,
+                with_flashinfer=cuda and dtype_name != "float32",
+            )
     columns = ["dtype", "B", "T", "context", "naive_ms"]
     for b in run.backends:
-        columns += [f"{b}_ms", f"{b}_speedup", f"{b}_frac_copy_bw", f"{b}_goal", f"{b}_bw_goal",
-                    f"{b}_vs_naive_goal"]
+        columns += [
+            f"{b}_ms",
+            f"{b}_speedup",
+            f"{b}_frac_copy_bw",
+            f"{b}_goal",
+            f"{b}_bw_goal",
+            f"{b}_vs_naive_goal",
+        ]
     run.finish(columns + ["flashinfer_ms", "flashinfer_frac_copy_bw"])
 
 

@@ -9,6 +9,7 @@ Usage from a benchmark script:
     run = BenchRun(bench_parser(__doc__).parse_args(), "tree_verify")
     run.add(row); run.finish(columns)      # printed table + benchmarks/out/<op>_<device>.json
 """
+
 import argparse
 import datetime
 import json
@@ -70,8 +71,13 @@ def _cpu_model():
 
 def _git(*args):
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        out = subprocess.run(
+            ["git", *args],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=10,
+        )
         return out.stdout.rstrip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -113,7 +119,9 @@ def write_json(path, rows, meta=None):
         "machine": machine_info(meta.get("device")),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git("rev-parse", "HEAD"),
-        "git_modified_files": (_git("status", "--porcelain", "--untracked-files=no") or "").split("\n"),
+        "git_modified_files": (_git("status", "--porcelain", "--untracked-files=no") or "").split(
+            "\n"
+        ),
         **meta,
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -125,13 +133,22 @@ def write_json(path, rows, meta=None):
 # --------------------------------------------------------------------------- one benchmark run
 def bench_parser(doc):
     """The options every benchmark takes; doc: the script's module docstring."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="a few small shapes: a smoke test")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--backends", default=None,
-                    help="comma list of cpp,triton (default: cpp on CPU, cpp,triton on CUDA)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--json", default=None, help="output path (default benchmarks/out/<op>_<device>.json)")
+    ap.add_argument(
+        "--backends",
+        default=None,
+        help="comma list of cpp,triton (default: cpp on CPU, cpp,triton on CUDA)",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's)"
+    )
+    ap.add_argument(
+        "--json", default=None, help="output path (default benchmarks/out/<op>_<device>.json)"
+    )
     return ap
 
 
@@ -152,15 +169,24 @@ class BenchRun:
         self.backends = (opts.backends or default).split(",")
         if self.device.type == "cpu" and "triton" in self.backends:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
-        self.path = opts.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                                              f"{op}_{self.device.type}.json")
+        self.path = opts.json or os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "out", f"{op}_{self.device.type}.json"
+        )
         self.copy_gbps = measure_copy_bandwidth(self.device)
-        self.meta = {"op": op, "device": str(self.device), "backends": self.backends,
-                     "quick": opts.quick, "copy_GBps": self.copy_gbps,
-                     "copy_bandwidth_note": "device-to-device copy, bytes read + bytes written",
-                     **(meta or {})}
+        self.meta = {
+            "op": op,
+            "device": str(self.device),
+            "backends": self.backends,
+            "quick": opts.quick,
+            "copy_GBps": self.copy_gbps,
+            "copy_bandwidth_note": "device-to-device copy, bytes read + bytes written",
+            **(meta or {}),
+        }
         self.rows = []
-        print(f"{op} on {self.device}: copy bandwidth {self.copy_gbps:.1f} GB/s (read + write)", flush=True)
+        print(
+            f"{op} on {self.device}: copy bandwidth {self.copy_gbps:.1f} GB/s (read + write)",
+            flush=True,
+        )
 
     def bandwidth(self, prefix, floor_bytes, seconds):
         """{prefix}_GBps and {prefix}_frac_copy_bw of an op that must move floor_bytes."""

@@ -4,6 +4,7 @@ BatchPrefillWithPagedKVCacheWrapper with a custom mask over the same paged cache
 has T query rows over context + T keys (its prefix, then the tree nodes); the mask row of
 node i allows the whole prefix and the tree nodes set in tree_mask row i.
 """
+
 import torch
 
 from specdec_kernels.reference import unpack_tree_mask
@@ -25,7 +26,7 @@ def flashinfer_tree_verify(args, block_size, sm_scale):
     kv_lens = (cache_lens + num_nodes).long().cpu()
     pages = (kv_lens + block_size - 1) // block_size
     page_indptr = torch.cat([torch.zeros(1, dtype=torch.long), pages.cumsum(0)]).int()
-    page_indices = torch.cat([block_table[b, :int(pages[b])].cpu() for b in range(B)]).int()
+    page_indices = torch.cat([block_table[b, : int(pages[b])].cpu() for b in range(B)]).int()
     last_page_len = (kv_lens - (pages - 1) * block_size).int()
     qo_indptr = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
     tree_bits = unpack_tree_mask(tree_mask, T).cpu()
@@ -39,9 +40,21 @@ def flashinfer_tree_verify(args, block_size, sm_scale):
         masks.append(m.flatten())
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-    wrapper.plan(qo_indptr.to(dev), page_indptr.to(dev), page_indices.to(dev), last_page_len.to(dev),
-                 Hq, Hkv, D, block_size, custom_mask=torch.cat(masks).to(dev), causal=False,
-                 sm_scale=sm_scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+    wrapper.plan(
+        qo_indptr.to(dev),
+        page_indptr.to(dev),
+        page_indices.to(dev),
+        last_page_len.to(dev),
+        Hq,
+        Hkv,
+        D,
+        block_size,
+        custom_mask=torch.cat(masks).to(dev),
+        causal=False,
+        sm_scale=sm_scale,
+        q_data_type=q.dtype,
+        kv_data_type=k_cache.dtype,
+    )
 
     def fn(q, k_cache, v_cache, *rest):
         return wrapper.run(q.view(B * T, Hq, D), (k_cache, v_cache))

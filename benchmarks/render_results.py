@@ -1,7 +1,8 @@
 """Markdown tables of benchmark JSON files (written by the bench_*.py scripts), for RESULTS.md.
 
-    python benchmarks/render_results.py benchmarks/results/*.json
+python benchmarks/render_results.py benchmarks/results/*.json
 """
+
 import json
 import sys
 
@@ -28,9 +29,11 @@ def render(path):
     machine = meta["machine"]
     where = machine.get("gpu") or f"{machine['cpu']}, {machine['torch_threads']} thread(s)"
     print(f"### {meta['op']} on {meta['device']} ({where})\n")
-    print(f"{meta['date']}, commit {meta['git_commit'][:10]}, torch {machine['torch']}, "
-          f"copy bandwidth {meta['copy_GBps']:.1f} GB/s, load average {', '.join(f'{x:.1f}' for x in machine.get('load_average_1_5_15min') or [])}; "
-          f"raw: `{path}`\n")
+    print(
+        f"{meta['date']}, commit {meta['git_commit'][:10]}, torch {machine['torch']}, "
+        f"copy bandwidth {meta['copy_GBps']:.1f} GB/s, load average {', '.join(f'{x:.1f}' for x in machine.get('load_average_1_5_15min') or [])}; "
+        f"raw: `{path}`\n"
+    )
     columns = meta["columns"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))

@@ -25,21 +25,21 @@ void check_index(const at::Tensor& t, const char* name, int64_t dim) {
 }
 
 void check_float_param(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name,
-              " must be a floating point tensor, got ", t.scalar_type());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), name, " must be a floating point tensor, got ",
+              t.scalar_type());
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
 }
 
 void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected,
                 const char* what) {
-  TORCH_CHECK(t.size(dim) == expected, name, ".size(", dim, ") must equal ", what, " (",
-              expected, "), got ", t.size(dim), " (shape ", t.sizes(), ")");
+  TORCH_CHECK(t.size(dim) == expected, name, ".size(", dim, ") must equal ", what, " (", expected,
+              "), got ", t.size(dim), " (shape ", t.sizes(), ")");
 }
 
 void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* ref_name,
                        const char* name) {
-  TORCH_CHECK(t.device() == ref.device(), name, " must be on the same device as ", ref_name,
-              " (", ref.device(), "), got ", t.device());
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on the same device as ", ref_name, " (",
+              ref.device(), "), got ", t.device());
 }
 
 // Host-side int64 view of a (small) index tensor, for value checks. The values are checked
@@ -53,8 +53,8 @@ at::Tensor host_float(const at::Tensor& t) { return t.to(at::kCPU).to(at::kFloat
 void check_position(int64_t cache_len, int64_t end, int64_t b, const char* end_what) {
   TORCH_CHECK(cache_len >= 0, "cache_lens[", b, "] = ", cache_len, " must be >= 0");
   TORCH_CHECK(end - 1 <= kInt32Max, end_what, " of request ", b, " reaches position ", end - 1,
-              ", beyond the largest supported position 2^31 - 1 = ", kInt32Max,
-              " (cache_lens[", b, "] = ", cache_len, ")");
+              ", beyond the largest supported position 2^31 - 1 = ", kInt32Max, " (cache_lens[", b,
+              "] = ", cache_len, ")");
 }
 
 // num_nodes in [1, T], parents[b, 0] == -1, 0 <= parents[b, i] < i for 1 <= i < num_nodes[b].
@@ -157,8 +157,7 @@ void check_tree_verify(const at::Tensor& q, const at::Tensor& k_cache, const at:
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "the number of query heads Hq (", Hq,
               ") must be a multiple of the number of KV heads Hkv (", Hkv, ")");
   TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1,
-              "k_cache must have num_blocks >= 1 and block_size >= 1, got shape ",
-              k_cache.sizes());
+              "k_cache must have num_blocks >= 1 and block_size >= 1, got shape ", k_cache.sizes());
   check_index(block_table, "block_table", 2);
   check_index(cache_lens, "cache_lens", 1);
   check_index(num_nodes, "num_nodes", 1);
@@ -201,8 +200,7 @@ void check_tree_rejection_sample(const at::Tensor& target_logits, const at::Tens
                                  const at::Tensor& parents, const at::Tensor& num_nodes,
                                  const std::optional<at::Tensor>& draft_probs,
                                  const at::Tensor& temperature, const at::Tensor& top_k,
-                                 const at::Tensor& top_p, const at::Tensor& uniforms,
-                                 bool values) {
+                                 const at::Tensor& top_p, const at::Tensor& uniforms, bool values) {
   TORCH_CHECK(target_logits.dim() == 3, "target_logits must be [B, T, V], got shape ",
               target_logits.sizes());
   TORCH_CHECK(is_attn_dtype(target_logits.scalar_type()),
@@ -307,12 +305,11 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
   check_size(cache_lens, "cache_lens", 0, B, "the batch size B of block_table");
   check_size(accepted_nodes, "accepted_nodes", 0, B, "the batch size B of block_table");
   check_size(num_accepted, "num_accepted", 0, B, "the batch size B of block_table");
-  for (const auto& [t, name] :
-       {std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"},
-        {block_table, "block_table"},
-        {cache_lens, "cache_lens"},
-        {accepted_nodes, "accepted_nodes"},
-        {num_accepted, "num_accepted"}}) {
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"},
+                                {block_table, "block_table"},
+                                {cache_lens, "cache_lens"},
+                                {accepted_nodes, "accepted_nodes"},
+                                {num_accepted, "num_accepted"}}) {
     check_same_device(k_cache, t, "k_cache", name);
   }
   if (!values) return;
@@ -322,8 +319,8 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nb = na.data_ptr<int64_t>()[b], cb = c.data_ptr<int64_t>()[b];
     const int64_t* ap = a.data_ptr<int64_t>() + b * T;
-    TORCH_CHECK(nb >= 0 && nb < T, "num_accepted[", b, "] = ", nb, " is out of range [0, T - 1 = ",
-                T - 1, "]");
+    TORCH_CHECK(nb >= 0 && nb < T, "num_accepted[", b, "] = ", nb,
+                " is out of range [0, T - 1 = ", T - 1, "]");
     TORCH_CHECK(ap[0] == 0, "accepted_nodes[", b, ", 0] must be 0 (the root), got ", ap[0]);
     for (int64_t k = 1; k <= nb; ++k) {
       TORCH_CHECK(ap[k] > ap[k - 1] && ap[k] < T, "accepted_nodes[", b, ", ", k, "] = ", ap[k],

@@ -34,10 +34,9 @@
     break;                                               \
   }
 
-#define SPECDEC_PRIVATE_TYPE_DEFAULT(st)                                                  \
-  default:                                                                                \
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "specdec: ", __func__, " has no kernel for dtype ", \
-                                st);
+#define SPECDEC_PRIVATE_TYPE_DEFAULT(st) \
+  default:                               \
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "specdec: ", __func__, " has no kernel for dtype ", st);
 
 // The attention / logit dtypes: float32, float16, bfloat16 -> float, c10::Half, c10::BFloat16.
 #define SPECDEC_DISPATCH_FLOAT_DTYPE(scalar_type, scalar_t, ...)              \
@@ -50,18 +49,18 @@
 
 // Probability dtypes (draft_probs on CPU, read in place): the float dtypes above plus float64
 // and the float8 formats.
-#define SPECDEC_DISPATCH_PROB_DTYPE(scalar_type, scalar_t, ...)                           \
-  switch (const c10::ScalarType specdec_dispatch_st = (scalar_type)) {                    \
-    SPECDEC_PRIVATE_TYPE_CASE(Float, float, scalar_t, __VA_ARGS__)                        \
-    SPECDEC_PRIVATE_TYPE_CASE(Double, double, scalar_t, __VA_ARGS__)                      \
-    SPECDEC_PRIVATE_TYPE_CASE(Half, c10::Half, scalar_t, __VA_ARGS__)                     \
-    SPECDEC_PRIVATE_TYPE_CASE(BFloat16, c10::BFloat16, scalar_t, __VA_ARGS__)             \
-    SPECDEC_PRIVATE_TYPE_CASE(Float8_e5m2, c10::Float8_e5m2, scalar_t, __VA_ARGS__)       \
+#define SPECDEC_DISPATCH_PROB_DTYPE(scalar_type, scalar_t, ...)                             \
+  switch (const c10::ScalarType specdec_dispatch_st = (scalar_type)) {                      \
+    SPECDEC_PRIVATE_TYPE_CASE(Float, float, scalar_t, __VA_ARGS__)                          \
+    SPECDEC_PRIVATE_TYPE_CASE(Double, double, scalar_t, __VA_ARGS__)                        \
+    SPECDEC_PRIVATE_TYPE_CASE(Half, c10::Half, scalar_t, __VA_ARGS__)                       \
+    SPECDEC_PRIVATE_TYPE_CASE(BFloat16, c10::BFloat16, scalar_t, __VA_ARGS__)               \
+    SPECDEC_PRIVATE_TYPE_CASE(Float8_e5m2, c10::Float8_e5m2, scalar_t, __VA_ARGS__)         \
     SPECDEC_PRIVATE_TYPE_CASE(Float8_e5m2fnuz, c10::Float8_e5m2fnuz, scalar_t, __VA_ARGS__) \
-    SPECDEC_PRIVATE_TYPE_CASE(Float8_e4m3fn, c10::Float8_e4m3fn, scalar_t, __VA_ARGS__)   \
+    SPECDEC_PRIVATE_TYPE_CASE(Float8_e4m3fn, c10::Float8_e4m3fn, scalar_t, __VA_ARGS__)     \
     SPECDEC_PRIVATE_TYPE_CASE(Float8_e4m3fnuz, c10::Float8_e4m3fnuz, scalar_t, __VA_ARGS__) \
-    SPECDEC_PRIVATE_TYPE_CASE(Float8_e8m0fnu, c10::Float8_e8m0fnu, scalar_t, __VA_ARGS__) \
-    SPECDEC_PRIVATE_TYPE_DEFAULT(specdec_dispatch_st)                                     \
+    SPECDEC_PRIVATE_TYPE_CASE(Float8_e8m0fnu, c10::Float8_e8m0fnu, scalar_t, __VA_ARGS__)   \
+    SPECDEC_PRIVATE_TYPE_DEFAULT(specdec_dispatch_st)                                       \
   }
 
 #define SPECDEC_PRIVATE_INT_CASE(COND, NAME, VALUE, ...) \
@@ -71,15 +70,21 @@
   }
 
 // Head dim -> the next of 32 / 64 / 128 / 256 (the padded head dim a kernel is built for).
-#define SPECDEC_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM_PADDED, ...)                               \
-  do {                                                                                          \
-    const int64_t specdec_dispatch_hd = (head_dim);                                             \
-    SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 32, HEAD_DIM_PADDED, 32, __VA_ARGS__)       \
-    else SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 64, HEAD_DIM_PADDED, 64, __VA_ARGS__)  \
-    else SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 128, HEAD_DIM_PADDED, 128, __VA_ARGS__) \
-    else SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 256, HEAD_DIM_PADDED, 256, __VA_ARGS__) \
-    else TORCH_CHECK(false, "specdec: ", __func__, " supports head dims up to 256, got ",       \
-                     specdec_dispatch_hd);                                                      \
+#define SPECDEC_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM_PADDED, ...)                                                             \
+  do {                                                                                                                        \
+    const int64_t specdec_dispatch_hd = (head_dim);                                                                           \
+    SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 32, HEAD_DIM_PADDED, 32, __VA_ARGS__)                                     \
+    else SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 64, HEAD_DIM_PADDED, 64, __VA_ARGS__) else SPECDEC_PRIVATE_INT_CASE( \
+        specdec_dispatch_hd <= 128, HEAD_DIM_PADDED, 128,                                                                     \
+        __VA_ARGS__) else SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 256, HEAD_DIM_PADDED,                               \
+                                                   256,                                                                       \
+                                                   __VA_ARGS__) else TORCH_CHECK(false,                                       \
+                                                                                 "specdec: ",                                 \
+                                                                                 __func__,                                    \
+                                                                                 " supports head "                            \
+                                                                                 "dims up to "                                \
+                                                                                 "256, got ",                                 \
+                                                                                 specdec_dispatch_hd);                        \
   } while (0)
 
 #define SPECDEC_PRIVATE_UNIT_CASE(COND, UNIT_T, Unit, ...) \
@@ -91,12 +96,15 @@
 // Vector bytes -> the widest load / store unit of 16 / 8 / 4 / 2 / 1 bytes (uint4, uint2,
 // uint32_t, uint16_t, uint8_t) whose size divides `bytes` (e.g. the OR of a row size and
 // the addresses it is copied between). CUDA only.
-#define SPECDEC_DISPATCH_VEC_BYTES(bytes, Unit, ...)                                    \
-  do {                                                                                  \
-    const uint64_t specdec_dispatch_vb = (bytes);                                       \
-    SPECDEC_PRIVATE_UNIT_CASE(specdec_dispatch_vb % 16 == 0, uint4, Unit, __VA_ARGS__)  \
-    else SPECDEC_PRIVATE_UNIT_CASE(specdec_dispatch_vb % 8 == 0, uint2, Unit, __VA_ARGS__) \
-    else SPECDEC_PRIVATE_UNIT_CASE(specdec_dispatch_vb % 4 == 0, uint32_t, Unit, __VA_ARGS__) \
-    else SPECDEC_PRIVATE_UNIT_CASE(specdec_dispatch_vb % 2 == 0, uint16_t, Unit, __VA_ARGS__) \
-    else SPECDEC_PRIVATE_UNIT_CASE(true, uint8_t, Unit, __VA_ARGS__)                   \
+#define SPECDEC_DISPATCH_VEC_BYTES(bytes, Unit, ...)                                                                       \
+  do {                                                                                                                     \
+    const uint64_t specdec_dispatch_vb = (bytes);                                                                          \
+    SPECDEC_PRIVATE_UNIT_CASE(specdec_dispatch_vb % 16 == 0, uint4, Unit, __VA_ARGS__)                                     \
+    else SPECDEC_PRIVATE_UNIT_CASE(specdec_dispatch_vb % 8 == 0, uint2, Unit, __VA_ARGS__) else SPECDEC_PRIVATE_UNIT_CASE( \
+        specdec_dispatch_vb % 4 == 0, uint32_t, Unit,                                                                      \
+        __VA_ARGS__) else SPECDEC_PRIVATE_UNIT_CASE(specdec_dispatch_vb % 2 == 0, uint16_t, Unit,                          \
+                                                    __VA_ARGS__) else SPECDEC_PRIVATE_UNIT_CASE(true,                      \
+                                                                                                uint8_t,                   \
+                                                                                                Unit,                      \
+                                                                                                __VA_ARGS__)               \
   } while (0)

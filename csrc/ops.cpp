@@ -4,10 +4,11 @@
 // it for users). Every registered implementation runs the shared checks of checks.h
 // and normalises index / parameter dtypes before handing contiguous tensors to the
 // backend kernels declared in ops.h.
+#include "ops.h"
+
 #include <torch/library.h>
 
 #include "checks.h"
-#include "ops.h"
 
 namespace specdec {
 namespace {
@@ -107,17 +108,16 @@ void check_build_tree_mask_op(const at::Tensor& parents, const at::Tensor& num_n
   check_build_tree_mask(parents, num_nodes, should_check_values(parents));
 }
 
-void check_tree_verify_op(const at::Tensor& q, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& block_table,
-                          const at::Tensor& cache_lens, const at::Tensor& num_nodes,
-                          const at::Tensor& tree_mask, double sm_scale) {
+void check_tree_verify_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_table, const at::Tensor& cache_lens,
+                          const at::Tensor& num_nodes, const at::Tensor& tree_mask,
+                          double sm_scale) {
   check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
                     should_check_values(q));
 }
 
-void check_tree_rejection_sample_op(const at::Tensor& target_logits,
-                                    const at::Tensor& draft_tokens, const at::Tensor& parents,
-                                    const at::Tensor& num_nodes,
+void check_tree_rejection_sample_op(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                                    const at::Tensor& parents, const at::Tensor& num_nodes,
                                     const std::optional<at::Tensor>& draft_probs,
                                     const at::Tensor& temperature, const at::Tensor& top_k,
                                     const at::Tensor& top_p, const at::Tensor& uniforms) {

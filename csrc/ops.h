@@ -26,10 +26,10 @@ at::Tensor tree_verify_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& tree_mask, double sm_scale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
-    const at::Tensor& target_logits, const at::Tensor& draft_tokens,
-    const at::Tensor& parents, const at::Tensor& num_nodes,
-    const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature,
-    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& uniforms);
+    const at::Tensor& target_logits, const at::Tensor& draft_tokens, const at::Tensor& parents,
+    const at::Tensor& num_nodes, const std::optional<at::Tensor>& draft_probs,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& uniforms);
 
 // k_cache / v_cache are always [L, num_blocks, block_size, Hkv, D] here.
 void compact_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_table,
@@ -47,10 +47,10 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& tree_mask, double sm_scale);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
-    const at::Tensor& target_logits, const at::Tensor& draft_tokens,
-    const at::Tensor& parents, const at::Tensor& num_nodes,
-    const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature,
-    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& uniforms);
+    const at::Tensor& target_logits, const at::Tensor& draft_tokens, const at::Tensor& parents,
+    const at::Tensor& num_nodes, const std::optional<at::Tensor>& draft_probs,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& uniforms);
 
 void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,

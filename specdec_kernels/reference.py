@@ -76,7 +76,9 @@ def tree_verify(
     B, T, Hq, D = q.shape
     num_blocks, bs, Hkv, _ = k_cache.shape
     S = block_table.shape[1] * bs
-    blocks = block_table.long().clamp(0, num_blocks - 1)  # unowned entries (e.g. -1) are never attended
+    blocks = block_table.long().clamp(
+        0, num_blocks - 1
+    )  # unowned entries (e.g. -1) are never attended
     k = k_cache[blocks].reshape(B, S, Hkv, D)
     v = v_cache[blocks].reshape(B, S, Hkv, D)
 
@@ -94,8 +96,12 @@ def tree_verify(
     mask[..., 0] |= ~has_key
 
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None], scale=sm_scale, enable_gqa=Hq != Hkv,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=sm_scale,
+        enable_gqa=Hq != Hkv,
     ).transpose(1, 2)
     return out.masked_fill(~has_key[..., None, None], 0).to(q.dtype)
 
@@ -126,7 +132,9 @@ def process_logits(
     if top_p < 1.0:
         asc, _ = torch.sort(probs, dim=-1)
         cum = torch.cumsum(asc, dim=-1)
-        idx = torch.searchsorted(asc, probs, right=True) - 1  # last sorted slot holding a value <= p_t
+        idx = (
+            torch.searchsorted(asc, probs, right=True) - 1
+        )  # last sorted slot holding a value <= p_t
         mass_above = cum[..., -1:] - torch.gather(cum, -1, idx)
         probs = torch.where(mass_above < top_p, probs, 0)
         probs = probs / probs.sum(-1, keepdim=True)

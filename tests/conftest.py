@@ -4,6 +4,7 @@
 kernels under TRITON_INTERPRET=1. `pytest --device cuda` runs the same tests on
 CUDA tensors (C++ CUDA kernels and compiled Triton kernels).
 """
+
 import importlib.util
 import os
 import zlib
@@ -15,8 +16,12 @@ from specdec_kernels import envs
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", default=envs.SPECDEC_TEST_DEVICE,
-                     choices=["cpu", "cuda"], help="device the op tests run on")
+    parser.addoption(
+        "--device",
+        default=envs.SPECDEC_TEST_DEVICE,
+        choices=["cpu", "cuda"],
+        help="device the op tests run on",
+    )
 
 
 def pytest_configure(config):

@@ -13,6 +13,7 @@ message names the corrupted argument. One line per case goes to stdout (flushed 
 op runs, so the last line names the case that crashed or hung); the exit code is the number of
 failed cases, capped at 100.
 """
+
 import argparse
 import math
 import random
@@ -104,8 +105,9 @@ def problem_compact_kv(rng):
         max_blocks += 1
     num_blocks = B * max_blocks + rng.randint(0, 2)
     layers = rng.choice([None, 1, 3])
-    shape = (num_blocks, block_size, 2, 4) if layers is None else (layers, num_blocks,
-                                                                  block_size, 2, 4)
+    shape = (
+        (num_blocks, block_size, 2, 4) if layers is None else (layers, num_blocks, block_size, 2, 4)
+    )
     dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
     parents, num_nodes = rand_parents(rng, B, T)
     accepted = torch.full((B, T), -1, dtype=torch.int64)
@@ -216,8 +218,9 @@ CORRUPTIONS = {
     "build_tree_mask": TREE_CORRUPTIONS,
     "tree_verify": [
         _replace("cache_lens", lambda t, p, rng: t - t.max() - 1),
-        _replace("cache_lens", lambda t, p, rng: t + p["block_table"].shape[1]
-                 * p["k_cache"].shape[1]),
+        _replace(
+            "cache_lens", lambda t, p, rng: t + p["block_table"].shape[1] * p["k_cache"].shape[1]
+        ),
         _replace("cache_lens", lambda t, p, rng: t.to(torch.int64) + WIDE),
         _set("block_table", 10**6, where=_first_block),
         _set("block_table", -1, where=_first_block),
@@ -236,9 +239,12 @@ CORRUPTIONS = {
         _replace("block_table", lambda t, p, rng: t.float()),
         _replace("cache_lens", lambda t, p, rng: t[:0]),
     ],
-    "tree_rejection_sample": TREE_CORRUPTIONS + [
-        _node_value("draft_tokens", lambda i, p, rng: rng.choice(
-            [-1, p["target_logits"].shape[2], WIDE + 1])),
+    "tree_rejection_sample": TREE_CORRUPTIONS
+    + [
+        _node_value(
+            "draft_tokens",
+            lambda i, p, rng: rng.choice([-1, p["target_logits"].shape[2], WIDE + 1]),
+        ),
         _set("temperature", -0.5),
         _set("temperature", math.nan),
         _set("top_p", 0.0),
@@ -248,19 +254,29 @@ CORRUPTIONS = {
         _set("uniforms", 1.0),
         _set("uniforms", -0.1),
         _set("uniforms", math.nan),
-        _set("target_logits", math.nan,
-             where=lambda p, rng: (rng.randrange(p["target_logits"].shape[0]), 0,
-                                   rng.randrange(p["target_logits"].shape[2]))),
+        _set(
+            "target_logits",
+            math.nan,
+            where=lambda p, rng: (
+                rng.randrange(p["target_logits"].shape[0]),
+                0,
+                rng.randrange(p["target_logits"].shape[2]),
+            ),
+        ),
         _replace("uniforms", lambda t, p, rng: t[:, :-1]),
-        _replace("draft_probs", lambda t, p, rng: torch.rand_like(p["target_logits"][..., :-1]
-                                                                  .float())),
+        _replace(
+            "draft_probs", lambda t, p, rng: torch.rand_like(p["target_logits"][..., :-1].float())
+        ),
         _replace("target_logits", lambda t, p, rng: t.int()),
         _replace("top_k", lambda t, p, rng: t.float()),
         _replace("temperature", lambda t, p, rng: t[:0]),
     ],
     "compact_kv": [
-        _set("accepted_nodes", 1, where=lambda p, rng: (rng.randrange(p["accepted_nodes"]
-                                                                      .shape[0]), 0)),
+        _set(
+            "accepted_nodes",
+            1,
+            where=lambda p, rng: (rng.randrange(p["accepted_nodes"].shape[0]), 0),
+        ),
         _replace("num_accepted", lambda t, p, rng: t * 0 + p["accepted_nodes"].shape[1]),
         _replace("num_accepted", lambda t, p, rng: t * 0 - 1),
         _replace("num_accepted", lambda t, p, rng: t.to(torch.int64) + WIDE),

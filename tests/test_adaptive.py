@@ -1,12 +1,21 @@
 """Adaptive speculation: the cost model, the policy's choices, and exactness in the engine
 (greedy == plain token for token; sampled follows the target's distribution)."""
+
 import pytest
 import torch
 
 from specdec.adaptive import MAX_PROBE, CostModel, Policy
 from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
-from test_engine import PROMPTS, SAMPLING, first_tokens, oracle_head, run, same_distribution_pvalue, tiny_model
+from test_engine import (
+    PROMPTS,
+    SAMPLING,
+    first_tokens,
+    oracle_head,
+    run,
+    same_distribution_pvalue,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -19,7 +28,11 @@ DEAR_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 2.0, 4.0, 10.0], [0.5, 1.0, 1.5,
 
 def test_cost_model_interpolates_and_extrapolates():
     c = CostModel(1, [1, 2, 4], [1.0, 1.5, 2.5], [0.1, 0.3])
-    assert c.verify(1) == 1.0 and c.verify(3) == pytest.approx(2.0) and c.verify(6) == pytest.approx(3.5)
+    assert (
+        c.verify(1) == 1.0
+        and c.verify(3) == pytest.approx(2.0)
+        and c.verify(6) == pytest.approx(3.5)
+    )
     assert c.draft(0) == 0.0 and c.draft(2) == 0.3 and c.draft(4) == pytest.approx(0.7)
 
 
@@ -50,9 +63,16 @@ def test_policy_learns_acceptance_and_falls_back_with_probes():
     probe step comes at least every MAX_PROBE steps."""
     p = Policy(CHEAP_VERIFY, SPEC)
     tokens = torch.tensor([[5, 6, 7]])
-    d = type("D", (), dict(tokens=tokens, parents=torch.tensor([[-1, 0, 1]], dtype=torch.int32),
-                           num_nodes=torch.tensor([3], dtype=torch.int32),
-                           confidence=torch.tensor([[1.0, 0.9, 0.9]])))()
+    d = type(
+        "D",
+        (),
+        dict(
+            tokens=tokens,
+            parents=torch.tensor([[-1, 0, 1]], dtype=torch.int32),
+            num_nodes=torch.tensor([3], dtype=torch.int32),
+            confidence=torch.tensor([[1.0, 0.9, 0.9]]),
+        ),
+    )()
     depth = torch.tensor([[0, 1, 2]])
     rejected = torch.tensor([[0, -1, -1]]), torch.tensor([0])
     assert p.speculate()  # no evidence yet
@@ -63,13 +83,19 @@ def test_policy_learns_acceptance_and_falls_back_with_probes():
     assert float(p.accepted[0] / p.confidence[0]) < 0.2
     decisions = [p.speculate() for _ in range(4 * MAX_PROBE)]
     assert sum(decisions) >= 3 and not all(decisions)
-    gaps = [j - i for i, j in zip([k for k, x in enumerate(decisions) if x],
-                                  [k for k, x in enumerate(decisions) if x][1:])]
+    gaps = [
+        j - i
+        for i, j in zip(
+            [k for k, x in enumerate(decisions) if x], [k for k, x in enumerate(decisions) if x][1:]
+        )
+    ]
     assert max(gaps) <= MAX_PROBE
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-@pytest.mark.parametrize("cost", [CHEAP_VERIFY, DEAR_VERIFY, None], ids=["cheap", "dear", "measured"])
+@pytest.mark.parametrize(
+    "cost", [CHEAP_VERIFY, DEAR_VERIFY, None], ids=["cheap", "dear", "measured"]
+)
 def test_greedy_adaptive_equals_plain(batch_size, cost):
     model = tiny_model()
     plain, _ = run(model, None, "chain:1", batch_size)
@@ -89,23 +115,42 @@ def small_vocab_model():
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_sampled_adaptive_follows_target(small_vocab_model, sampling):
     plain = first_tokens(small_vocab_model, None, "chain:1", SAMPLING[sampling])
-    spec = first_tokens(small_vocab_model, oracle_head(small_vocab_model), "adaptive:3,3,8", SAMPLING[sampling],
-                        cost_model=CHEAP_VERIFY)
+    spec = first_tokens(
+        small_vocab_model,
+        oracle_head(small_vocab_model),
+        "adaptive:3,3,8",
+        SAMPLING[sampling],
+        cost_model=CHEAP_VERIFY,
+    )
     assert same_distribution_pvalue(spec, plain) > 1e-3
 
 
 # live occupancy (issue 15): verifying a tree is nearly free for one request, but with four
 # requests in the batch every node costs as much as a whole forward (a compute-bound machine)
-LOAD = CostModel(4, [1, 2, 4, 10], [1.0, 2.0, 4.0, 10.0], [0.5, 1.0, 1.5, 2.0],
-                 others=[dict(batch_size=1, verify_tokens=[1, 2, 4, 10], verify_s=[0.25, 0.2525, 0.255, 0.2625],
-                              draft_s=[0.005, 0.01, 0.015, 0.02])])
+LOAD = CostModel(
+    4,
+    [1, 2, 4, 10],
+    [1.0, 2.0, 4.0, 10.0],
+    [0.5, 1.0, 1.5, 2.0],
+    others=[
+        dict(
+            batch_size=1,
+            verify_tokens=[1, 2, 4, 10],
+            verify_s=[0.25, 0.2525, 0.255, 0.2625],
+            draft_s=[0.005, 0.01, 0.015, 0.02],
+        )
+    ],
+)
 
 
 def test_cost_model_interpolates_over_batch_sizes():
     assert LOAD.verify(4) == LOAD.verify(4, 4) == 4.0 and LOAD.verify(4, 1) == 0.255
     assert LOAD.verify(4, 2) == pytest.approx(0.255 + (4.0 - 0.255) / 3)  # linear in the batch
-    assert LOAD.verify(4, 8) == 4.0 and LOAD.draft(2, 1) == 0.01 and LOAD.draft(2, 3) == pytest.approx(
-        0.01 + (1.0 - 0.01) * 2 / 3)
+    assert (
+        LOAD.verify(4, 8) == 4.0
+        and LOAD.draft(2, 1) == 0.01
+        and LOAD.draft(2, 3) == pytest.approx(0.01 + (1.0 - 0.01) * 2 / 3)
+    )
     assert CHEAP_VERIFY.verify(4, 7) == CHEAP_VERIFY.verify(4)  # one batch size measured: that one
 
 
@@ -127,14 +172,26 @@ def test_policy_follows_live_occupancy():
     assert p.size(v, 1) == 1 or p.size(v, 1) == 0
     assert p.size(p.node_value(None, torch.tensor([[0.3, 0.05, 0.01]]).log(), depth=1), 1) == 0
     # a head accepted half the time on 2-node chains: pays alone, not in a full batch
-    d = type("D", (), dict(tokens=torch.tensor([[5, 6]]), parents=torch.tensor([[-1, 0]], dtype=torch.int32),
-                           num_nodes=torch.tensor([2], dtype=torch.int32), confidence=torch.tensor([[1.0, 0.5]])))()
+    d = type(
+        "D",
+        (),
+        dict(
+            tokens=torch.tensor([[5, 6]]),
+            parents=torch.tensor([[-1, 0]], dtype=torch.int32),
+            num_nodes=torch.tensor([2], dtype=torch.int32),
+            confidence=torch.tensor([[1.0, 0.5]]),
+        ),
+    )()
     for i in range(40):
         p.batch = 1 + 3 * (i % 2)  # the occupancy moved; the step's time is priced at its own
         p.size(torch.tensor([[0.5]]), 1)
         accepted = i % 2 == 0
-        p.observe(d, torch.tensor([[0, 1]]), torch.tensor([[0, 1 if accepted else -1]]),
-                  torch.tensor([int(accepted)]))
+        p.observe(
+            d,
+            torch.tensor([[0, 1]]),
+            torch.tensor([[0, 1 if accepted else -1]]),
+            torch.tensor([int(accepted)]),
+        )
     p.batch = 1
     assert p.spec_rate() > p.plain_rate() and p.speculate()
     p.batch = 4
@@ -145,7 +202,9 @@ def test_engine_trees_shrink_under_load():
     """The engine tells the policy the step's occupancy: a lone request verifies bigger trees
     than the same request among three others; outputs stay exact either way."""
     model = tiny_model()
-    lone, lone_stats = run(model, oracle_head(model), "adaptive:4,3,10", 4, cost_model=LOAD, prompts=PROMPTS[:1])
+    lone, lone_stats = run(
+        model, oracle_head(model), "adaptive:4,3,10", 4, cost_model=LOAD, prompts=PROMPTS[:1]
+    )
     full, full_stats = run(model, oracle_head(model), "adaptive:4,3,10", 4, cost_model=LOAD)
     plain, _ = run(model, None, "chain:1", 4)
     assert full == plain and lone[0] == plain[0]

@@ -36,8 +36,9 @@ def test_full_trees_and_int64_inputs(device, backend):
     """Every node valid (no padding rows), int64 index tensors."""
     parents, num_nodes = random_trees(3, 70, "random", full=True)
     want_mask, want_depth = reference.build_tree_mask(parents, num_nodes)
-    mask, depth = sk.build_tree_mask(parents.long().to(device), num_nodes.long().to(device),
-                                     backend=backend)
+    mask, depth = sk.build_tree_mask(
+        parents.long().to(device), num_nodes.long().to(device), backend=backend
+    )
     assert torch.equal(mask.cpu(), want_mask)
     assert torch.equal(depth.cpu(), want_depth)
 
@@ -52,13 +53,16 @@ def test_chain_words(device, backend):
     assert depth[0].tolist() == list(range(65))
 
 
-@pytest.mark.parametrize("case, match", [
-    ("not_topological", r"parents\[1, 3\] = 3 must satisfy 0 <= parent < 3"),
-    ("forward_parent", r"parents\[1, 3\] = 5 must satisfy"),
-    ("root_has_parent", r"parents\[0, 0\] must be -1"),
-    ("zero_nodes", r"num_nodes\[1\] = 0 is out of range"),
-    ("too_many_nodes", r"num_nodes\[1\] = 7 is out of range"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("not_topological", r"parents\[1, 3\] = 3 must satisfy 0 <= parent < 3"),
+        ("forward_parent", r"parents\[1, 3\] = 5 must satisfy"),
+        ("root_has_parent", r"parents\[0, 0\] must be -1"),
+        ("zero_nodes", r"num_nodes\[1\] = 0 is out of range"),
+        ("too_many_nodes", r"num_nodes\[1\] = 7 is out of range"),
+    ],
+)
 def test_bad_values(case, match, device, backend):
     if not _value_checks_run(device):
         pytest.skip("value checks on CUDA tensors run only with SPECDEC_VALIDATE=1 (documented)")
@@ -77,14 +81,17 @@ def test_bad_values(case, match, device, backend):
         sk.build_tree_mask(parents.to(device), num_nodes.to(device), backend=backend)
 
 
-@pytest.mark.parametrize("case, match", [
-    ("float_parents", r"parents must be an int32 or int64 tensor"),
-    ("float_num_nodes", r"num_nodes must be an int32 or int64 tensor"),
-    ("parents_rank", r"parents must have 2 dimensions"),
-    ("num_nodes_rank", r"num_nodes must have 1 dimensions"),
-    ("batch_mismatch", r"num_nodes.size\(0\) must equal the batch size B of parents"),
-    ("empty_tree", r"parents must have at least one node"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("float_parents", r"parents must be an int32 or int64 tensor"),
+        ("float_num_nodes", r"num_nodes must be an int32 or int64 tensor"),
+        ("parents_rank", r"parents must have 2 dimensions"),
+        ("num_nodes_rank", r"num_nodes must have 1 dimensions"),
+        ("batch_mismatch", r"num_nodes.size\(0\) must equal the batch size B of parents"),
+        ("empty_tree", r"parents must have at least one node"),
+    ],
+)
 def test_bad_shapes_and_dtypes(case, match, device, backend):
     parents, num_nodes = random_trees(2, 6, "random", full=True)
     if case == "float_parents":
@@ -105,5 +112,6 @@ def test_bad_shapes_and_dtypes(case, match, device, backend):
 
 def test_opcheck(device):
     parents, num_nodes = random_trees(3, 70, "random")
-    torch.library.opcheck(torch.ops.specdec.build_tree_mask,
-                          (parents.to(device), num_nodes.to(device)))
+    torch.library.opcheck(
+        torch.ops.specdec.build_tree_mask, (parents.to(device), num_nodes.to(device))
+    )

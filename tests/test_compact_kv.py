@@ -31,8 +31,9 @@ def random_root_paths(B, T, gen=None):
     return accepted, num_accepted
 
 
-def make_problem(B=3, T=7, L=None, dtype=torch.float32, block_size=4, Hkv=2, D=8,
-                 blocks_per_seq=6, device="cpu"):
+def make_problem(
+    B=3, T=7, L=None, dtype=torch.float32, block_size=4, Hkv=2, D=8, blocks_per_seq=6, device="cpu"
+):
     """Random paged caches ([NB, bs, Hkv, D], or [L, NB, bs, Hkv, D] when L is given) with
     spare blocks, random cache_lens leaving room for the T tree nodes, random root paths."""
     num_blocks = B * blocks_per_seq + 3
@@ -43,8 +44,9 @@ def make_problem(B=3, T=7, L=None, dtype=torch.float32, block_size=4, Hkv=2, D=8
         "v_cache": torch.randn(shape).to(dtype).to(device),
         "block_table": random_block_table(B, blocks_per_seq, num_blocks).to(device),
         "cache_lens": torch.randint(0, capacity - T + 1, (B,), dtype=torch.int32).to(device),
-        **dict(zip(("accepted_nodes", "num_accepted"),
-                   (t.to(device) for t in random_root_paths(B, T)))),
+        **dict(
+            zip(("accepted_nodes", "num_accepted"), (t.to(device) for t in random_root_paths(B, T)))
+        ),
     }
 
 
@@ -131,8 +133,17 @@ def test_nothing_accepted_is_a_no_op(device, backend):
 
 def test_long_paths_across_blocks(device, backend):
     """Whole-tree chains (every node accepted but the padding) spanning several blocks."""
-    p = make_problem(B=2, T=20, L=2, dtype=torch.bfloat16, block_size=3, Hkv=3, D=5,
-                     blocks_per_seq=12, device=device)
+    p = make_problem(
+        B=2,
+        T=20,
+        L=2,
+        dtype=torch.bfloat16,
+        block_size=3,
+        Hkv=3,
+        D=5,
+        blocks_per_seq=12,
+        device=device,
+    )
     p["accepted_nodes"] = torch.arange(20, dtype=torch.int32).repeat(2, 1).to(device)
     p["accepted_nodes"][1, 5:] = p["accepted_nodes"][1, 5:] + 1  # skips node 5 ...
     p["num_accepted"] = torch.tensor([19, 18], dtype=torch.int32, device=device)  # ... ends at 19
@@ -150,20 +161,37 @@ def test_int64_indices_and_wide_rows(device, backend):
 def _set(name, index, value):
     def edit(p):
         p[name][index] = value
+
     return edit
 
 
 VALUE_CASES = [
     ("root_not_first", _set("accepted_nodes", (1, 0), 2), r"accepted_nodes\[1, 0\] must be 0"),
-    ("non_increasing", lambda p: (p["accepted_nodes"][0, :3].copy_(torch.tensor([0, 3, 3])),
-                                  p["num_accepted"][0].fill_(2)),
-     r"accepted_nodes\[0, 2\] = 3 is not a valid root path"),
-    ("node_beyond_T", lambda p: p["accepted_nodes"][0, :2].copy_(torch.tensor([0, 7])),
-     r"accepted_nodes\[0, 1\] = 7 is not a valid root path"),
-    ("num_accepted_negative", _set("num_accepted", 2, -1), r"num_accepted\[2\] = -1 is out of range"),
+    (
+        "non_increasing",
+        lambda p: (
+            p["accepted_nodes"][0, :3].copy_(torch.tensor([0, 3, 3])),
+            p["num_accepted"][0].fill_(2),
+        ),
+        r"accepted_nodes\[0, 2\] = 3 is not a valid root path",
+    ),
+    (
+        "node_beyond_T",
+        lambda p: p["accepted_nodes"][0, :2].copy_(torch.tensor([0, 7])),
+        r"accepted_nodes\[0, 1\] = 7 is not a valid root path",
+    ),
+    (
+        "num_accepted_negative",
+        _set("num_accepted", 2, -1),
+        r"num_accepted\[2\] = -1 is out of range",
+    ),
     ("num_accepted_T", _set("num_accepted", 0, 7), r"num_accepted\[0\] = 7 is out of range"),
     ("negative_cache_len", _set("cache_lens", 1, -2), r"cache_lens\[1\] = -2 must be >= 0"),
-    ("block_out_of_range", lambda p: p["block_table"][0].fill_(10_000), r"block_table\[0, \d+\] = 10000"),
+    (
+        "block_out_of_range",
+        lambda p: p["block_table"][0].fill_(10_000),
+        r"block_table\[0, \d+\] = 10000",
+    ),
     ("path_beyond_table", _set("cache_lens", 0, 6 * 4 - 1), r"block_table row owns"),
 ]
 
@@ -183,24 +211,48 @@ def test_bad_values(case, edit, match, device, backend):
 SHAPE_CASES = [
     ("kv_shape", lambda p: p.update(v_cache=p["v_cache"][:, :2].contiguous()), r"v_cache shape"),
     ("kv_dtype", lambda p: p.update(v_cache=p["v_cache"].half()), r"v_cache dtype"),
-    ("cache_rank", lambda p: p.update(k_cache=p["k_cache"][0, 0], v_cache=p["v_cache"][0, 0]),
-     r"k_cache must be \[num_blocks, block_size, Hkv, D\]"),
-    ("non_contiguous", lambda p: p.update(k_cache=p["k_cache"].transpose(0, 1).contiguous()
-                                          .transpose(0, 1)), r"k_cache must be contiguous"),
+    (
+        "cache_rank",
+        lambda p: p.update(k_cache=p["k_cache"][0, 0], v_cache=p["v_cache"][0, 0]),
+        r"k_cache must be \[num_blocks, block_size, Hkv, D\]",
+    ),
+    (
+        "non_contiguous",
+        lambda p: p.update(k_cache=p["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
+        r"k_cache must be contiguous",
+    ),
     ("same_tensor", lambda p: p.update(v_cache=p["k_cache"]), r"must be different tensors"),
-    ("block_table_dtype", lambda p: p.update(block_table=p["block_table"].float()),
-     r"block_table must be an int32 or int64"),
-    ("cache_lens_dtype", lambda p: p.update(cache_lens=p["cache_lens"].float()),
-     r"cache_lens must be an int32 or int64"),
-    ("accepted_dtype", lambda p: p.update(accepted_nodes=p["accepted_nodes"].to(torch.int16)),
-     r"accepted_nodes must be an int32 or int64"),
-    ("num_accepted_dtype", lambda p: p.update(num_accepted=p["num_accepted"].float()),
-     r"num_accepted must be an int32 or int64"),
-    ("accepted_rank", lambda p: p.update(accepted_nodes=p["accepted_nodes"][0]),
-     r"accepted_nodes must have 2 dimensions"),
+    (
+        "block_table_dtype",
+        lambda p: p.update(block_table=p["block_table"].float()),
+        r"block_table must be an int32 or int64",
+    ),
+    (
+        "cache_lens_dtype",
+        lambda p: p.update(cache_lens=p["cache_lens"].float()),
+        r"cache_lens must be an int32 or int64",
+    ),
+    (
+        "accepted_dtype",
+        lambda p: p.update(accepted_nodes=p["accepted_nodes"].to(torch.int16)),
+        r"accepted_nodes must be an int32 or int64",
+    ),
+    (
+        "num_accepted_dtype",
+        lambda p: p.update(num_accepted=p["num_accepted"].float()),
+        r"num_accepted must be an int32 or int64",
+    ),
+    (
+        "accepted_rank",
+        lambda p: p.update(accepted_nodes=p["accepted_nodes"][0]),
+        r"accepted_nodes must have 2 dimensions",
+    ),
     ("cache_lens_B", lambda p: p.update(cache_lens=p["cache_lens"][:2]), r"cache_lens.size\(0\)"),
-    ("num_accepted_B", lambda p: p.update(num_accepted=p["num_accepted"][:2]),
-     r"num_accepted.size\(0\)"),
+    (
+        "num_accepted_B",
+        lambda p: p.update(num_accepted=p["num_accepted"][:2]),
+        r"num_accepted.size\(0\)",
+    ),
 ]
 
 
@@ -216,6 +268,7 @@ def _op(backend):
     """The registered op of a backend (the Triton kernels are custom ops of their own)."""
     if backend == "triton":
         import specdec_kernels.triton  # noqa: F401  (registers torch.ops.specdec_triton)
+
         return torch.ops.specdec_triton.compact_kv
     return torch.ops.specdec.compact_kv
 
@@ -230,8 +283,9 @@ def test_torch_compile_fullgraph(device, backend):
 
     @torch.compile(fullgraph=True)
     def step(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted):
-        sk.compact_kv(k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted,
-                      backend=backend)
+        sk.compact_kv(
+            k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted, backend=backend
+        )
         return k_cache * 2.0, v_cache + 1.0  # reads after the in-place move must see it
 
     k, v = p["k_cache"].clone(), p["v_cache"].clone()

@@ -16,7 +16,8 @@ from specdec_kernels import reference
 from specdec_kernels.testing import random_block_table, random_trees
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs exist only on CUDA devices)"
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (CUDA graphs exist only on CUDA devices)",
 )
 
 B, T, HQ, HKV, D, BLOCK, BLOCKS_PER_SEQ, LAYERS, V = 3, 8, 4, 2, 64, 16, 6, 2, 1000
@@ -57,31 +58,83 @@ def random_step():
 def verify_step(x):
     """The captured step; mutates x["k_cache"], x["v_cache"]. Returns its outputs."""
     tree_mask, depth = sk.build_tree_mask(x["parents"], x["num_nodes"], backend="cpp")
-    attn = sk.tree_verify(x["q"], x["k_cache"][0], x["v_cache"][0], x["block_table"],
-                          x["cache_lens"], x["num_nodes"], tree_mask, backend="cpp")
+    attn = sk.tree_verify(
+        x["q"],
+        x["k_cache"][0],
+        x["v_cache"][0],
+        x["block_table"],
+        x["cache_lens"],
+        x["num_nodes"],
+        tree_mask,
+        backend="cpp",
+    )
     accepted, num_accepted, tokens = sk.tree_rejection_sample(
-        x["logits"], x["draft_tokens"], x["parents"], x["num_nodes"], None, x["temperature"],
-        x["top_k"], x["top_p"], x["uniforms"], backend="cpp")
-    sk.compact_kv(x["k_cache"], x["v_cache"], x["block_table"], x["cache_lens"], accepted,
-                  num_accepted, backend="cpp")
-    return {"tree_mask": tree_mask, "depth": depth, "attn": attn, "accepted": accepted,
-            "num_accepted": num_accepted, "tokens": tokens}
+        x["logits"],
+        x["draft_tokens"],
+        x["parents"],
+        x["num_nodes"],
+        None,
+        x["temperature"],
+        x["top_k"],
+        x["top_p"],
+        x["uniforms"],
+        backend="cpp",
+    )
+    sk.compact_kv(
+        x["k_cache"],
+        x["v_cache"],
+        x["block_table"],
+        x["cache_lens"],
+        accepted,
+        num_accepted,
+        backend="cpp",
+    )
+    return {
+        "tree_mask": tree_mask,
+        "depth": depth,
+        "attn": attn,
+        "accepted": accepted,
+        "num_accepted": num_accepted,
+        "tokens": tokens,
+    }
 
 
 def reference_step(x):
     """verify_step by the references on CPU (float64 attention and sampling); mutates x's caches."""
     tree_mask, depth = reference.build_tree_mask(x["parents"], x["num_nodes"])
     f64 = lambda t: t.double()
-    attn = reference.tree_verify(f64(x["q"]), f64(x["k_cache"][0]), f64(x["v_cache"][0]),
-                                 x["block_table"], x["cache_lens"], x["num_nodes"], tree_mask,
-                                 D ** -0.5)
+    attn = reference.tree_verify(
+        f64(x["q"]),
+        f64(x["k_cache"][0]),
+        f64(x["v_cache"][0]),
+        x["block_table"],
+        x["cache_lens"],
+        x["num_nodes"],
+        tree_mask,
+        D**-0.5,
+    )
     accepted, num_accepted, tokens = reference.tree_rejection_sample(
-        f64(x["logits"]), x["draft_tokens"], x["parents"], x["num_nodes"], None,
-        x["temperature"], x["top_k"], x["top_p"], x["uniforms"])
-    reference.compact_kv(x["k_cache"], x["v_cache"], x["block_table"], x["cache_lens"], accepted,
-                         num_accepted)
-    return {"tree_mask": tree_mask, "depth": depth, "attn": attn, "accepted": accepted,
-            "num_accepted": num_accepted, "tokens": tokens}
+        f64(x["logits"]),
+        x["draft_tokens"],
+        x["parents"],
+        x["num_nodes"],
+        None,
+        x["temperature"],
+        x["top_k"],
+        x["top_p"],
+        x["uniforms"],
+    )
+    reference.compact_kv(
+        x["k_cache"], x["v_cache"], x["block_table"], x["cache_lens"], accepted, num_accepted
+    )
+    return {
+        "tree_mask": tree_mask,
+        "depth": depth,
+        "attn": attn,
+        "accepted": accepted,
+        "num_accepted": num_accepted,
+        "tokens": tokens,
+    }
 
 
 def poison(outputs):
@@ -122,10 +175,18 @@ def test_verify_step_replays_like_eager():
         for name, want in eager_out.items():
             assert torch.equal(graph_out[name], want), f"replayed {name} differs from eager"
         for cache in ("k_cache", "v_cache"):
-            assert torch.equal(static[cache], eager_in[cache]), f"replayed {cache} differs from eager"
-            assert torch.equal(static[cache].cpu(), ref_in[cache]), f"{cache} differs from the reference"
-        torch.testing.assert_close(graph_out["attn"].cpu().double(), ref_out["attn"], atol=ATOL, rtol=RTOL)
+            assert torch.equal(static[cache], eager_in[cache]), (
+                f"replayed {cache} differs from eager"
+            )
+            assert torch.equal(static[cache].cpu(), ref_in[cache]), (
+                f"{cache} differs from the reference"
+            )
+        torch.testing.assert_close(
+            graph_out["attn"].cpu().double(), ref_out["attn"], atol=ATOL, rtol=RTOL
+        )
         for name in ("tree_mask", "depth", "accepted", "num_accepted", "tokens"):
-            assert torch.equal(graph_out[name].cpu(), ref_out[name]), f"{name} differs from the reference"
+            assert torch.equal(graph_out[name].cpu(), ref_out[name]), (
+                f"{name} differs from the reference"
+            )
         accepted_total += int(ref_out["num_accepted"].sum())
     assert accepted_total >= 3, "request 0's greedy drafts should be accepted at every step"

@@ -3,6 +3,7 @@
 Greedy decoding with any drafter must reproduce plain greedy decoding token for token, and
 sampled decoding must follow the target (two-sample test against plain decoding, as in
 test_engine.py); the n-gram drafter must get drafts accepted where the output repeats."""
+
 import json
 
 import numpy as np
@@ -26,7 +27,9 @@ def model():
 
 def run_with(model, drafter, tree, batch_size, params=None, prompts=PROMPTS, **kw):
     eng = Engine(model, drafter=drafter, tree=tree, batch_size=batch_size, max_seq_len=96, **kw)
-    results, stats = eng.generate([Request(p, params or SamplingParams(max_new_tokens=40)) for p in prompts])
+    results, stats = eng.generate(
+        [Request(p, params or SamplingParams(max_new_tokens=40)) for p in prompts]
+    )
     return [r.token_ids for r in results], stats
 
 
@@ -38,15 +41,25 @@ def test_ngram_continuations_and_trie():
     # longest suffix match: "1 2" (the 3-gram "4 1 2" occurs only at the end), most recent first
     assert d.continuations(h) == [[7, 4, 1], [7, 8, 9]]
     tokens, parents, depths, counts = d.trie(2, d.continuations(h))
-    assert tokens == [2, 7, 4, 1, 8, 9] and parents == [-1, 0, 1, 2, 1, 4]  # shared prefix "7" merged
+    assert tokens == [2, 7, 4, 1, 8, 9] and parents == [
+        -1,
+        0,
+        1,
+        2,
+        1,
+        4,
+    ]  # shared prefix "7" merged
     assert depths == [0, 1, 2, 3, 2, 3] and counts == [2, 2, 1, 1, 1, 1]
     assert d.continuations(np.array([1, 2, 3])) == []  # no earlier occurrence of any suffix
     d.branches = 1  # a second branch does not fit: the occurrence only adds to the counts
     assert d.trie(2, [[7, 4], [7, 8], [6]])[0] == [2, 7, 4]
 
 
-@pytest.mark.parametrize("tree,cost", [("chain:4", None), ("dynamic:4,3,10", None), ("adaptive:4,3,10", CHEAP_VERIFY)],
-                         ids=["chain", "tree", "adaptive"])
+@pytest.mark.parametrize(
+    "tree,cost",
+    [("chain:4", None), ("dynamic:4,3,10", None), ("adaptive:4,3,10", CHEAP_VERIFY)],
+    ids=["chain", "tree", "adaptive"],
+)
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_greedy_ngram_equals_plain(model, tree, cost, batch_size):
     """batch_size 3 < 4 prompts: the last request takes a slot freed mid-run (start() resets it)."""
@@ -80,13 +93,24 @@ def test_ngram_on_a_repeating_prompt():
     more than one token per target forward."""
     model = copying_model()
     prompt = list(range(8)) + [0, 1, 2, 3]
-    ref, plain_stats = run(model, None, "chain:1", 1, prompts=[prompt], params=SamplingParams(max_new_tokens=30))
+    ref, plain_stats = run(
+        model, None, "chain:1", 1, prompts=[prompt], params=SamplingParams(max_new_tokens=30)
+    )
     assert ref[0][:6] == [4, 5, 6, 7, 0, 1]
     for tree in ("chain:4", "dynamic:4,2,8"):
-        out, stats = run_with(model, NgramDrafter(max_n=3, min_n=2), tree, 1, prompts=[prompt],
-                              params=SamplingParams(max_new_tokens=30))
+        out, stats = run_with(
+            model,
+            NgramDrafter(max_n=3, min_n=2),
+            tree,
+            1,
+            prompts=[prompt],
+            params=SamplingParams(max_new_tokens=30),
+        )
         assert out == ref
-        assert stats.mean_acceptance_length > 4.0 and stats.target_forwards <= plain_stats.target_forwards / 4
+        assert (
+            stats.mean_acceptance_length > 4.0
+            and stats.target_forwards <= plain_stats.target_forwards / 4
+        )
 
 
 def test_ngram_arguments():
@@ -138,7 +162,9 @@ def test_a_new_drafter_needs_no_engine_change(model):
     out, stats = run_with(model, drafter, "dynamic:3,3,8", 3)
     assert out == plain
     assert drafter.committed == stats.target_forwards  # told after every step of every request
-    assert stats.target_forwards < plain_stats.target_forwards  # random drafts do get accepted (vocab 32)
+    assert (
+        stats.target_forwards < plain_stats.target_forwards
+    )  # random drafts do get accepted (vocab 32)
 
 
 # ---------------------------------------------------------------------- sampled: follows the target
@@ -148,7 +174,10 @@ REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]
 
 def sampled_tokens(model, drafter, tree, params, **kw):
     eng = Engine(model, drafter=drafter, tree=tree, batch_size=250, max_seq_len=32, **kw)
-    reqs = [Request(REPEATING, SamplingParams(**params, seed=s, max_new_tokens=3)) for s in range(N_SEEDS)]
+    reqs = [
+        Request(REPEATING, SamplingParams(**params, seed=s, max_new_tokens=3))
+        for s in range(N_SEEDS)
+    ]
     results, stats = eng.generate(reqs)
     return torch.tensor([r.token_ids for r in results]), stats
 
@@ -158,7 +187,9 @@ def test_sampled_drafters_follow_target(sampling):
     model = tiny_model(vocab_size=16, layer_scale=0.01, seed=3)
     params = SAMPLING[sampling]
     plain, _ = sampled_tokens(model, PlainDrafter(), "chain:1", params)
-    drafters = [(NgramDrafter(), "dynamic:3,3,8")] + [(RandomTreeDrafter(), "dynamic:3,3,8")] * (sampling == "t1")
+    drafters = [(NgramDrafter(), "dynamic:3,3,8")] + [(RandomTreeDrafter(), "dynamic:3,3,8")] * (
+        sampling == "t1"
+    )
     for drafter, tree in drafters:
         spec, stats = sampled_tokens(model, drafter, tree, params)
         assert same_distribution_pvalue(spec, plain) > 1e-3, drafter.name
@@ -170,19 +201,45 @@ def test_cli_method_ngram(capsys, tmp_path):
     from specdec.cli import main
 
     out = tmp_path / "out.jsonl"
-    main(["generate", "--prompt", "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", "--method",
-          "ngram", "--ngram-max", "3", "--ngram-min", "1", "--tree", "chain:4", "--max-new-tokens", "12",
-          "--output", str(out)])
+    main(
+        [
+            "generate",
+            "--prompt",
+            "Repeat exactly: the cat sat on the mat, the cat sat on the mat.",
+            "--method",
+            "ngram",
+            "--ngram-max",
+            "3",
+            "--ngram-min",
+            "1",
+            "--tree",
+            "chain:4",
+            "--max-new-tokens",
+            "12",
+            "--output",
+            str(out),
+        ]
+    )
     assert "ngram:1-3 chain:4" in capsys.readouterr().out
     row = json.loads(out.read_text())
-    assert row["finish_reason"] in ("eos", "length") and row["token_ids"] and row["stats"]["target_forwards"] >= 1
+    assert (
+        row["finish_reason"] in ("eos", "length")
+        and row["token_ids"]
+        and row["stats"]["target_forwards"] >= 1
+    )
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--method", "medusa"], "--method medusa is not implemented yet"),
-    (["--method", "eagle+ngram"], "--method eagle+ngram is not implemented yet"),
-    (["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "min_n (3) must be <= max_n (2)"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--method", "medusa"], "--method medusa is not implemented yet"),
+        (["--method", "eagle+ngram"], "--method eagle+ngram is not implemented yet"),
+        (
+            ["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
+            "min_n (3) must be <= max_n (2)",
+        ),
+    ],
+)
 def test_cli_rejects_before_loading_the_model(capsys, argv, message):
     from specdec.cli import main
 

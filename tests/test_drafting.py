@@ -1,5 +1,6 @@
 """Draft trees: the tree spec, the EAGLE-2 dynamic tree against a brute-force expansion,
 the head's own tree attention against chain recomputation, and the chain drafter."""
+
 import types
 
 import pytest
@@ -18,17 +19,33 @@ from specdec_kernels.reference import process_logits
 V = 12
 
 
-@pytest.mark.parametrize("text, kind, T, head_nodes", [
-    ("chain:1", "chain", 2, 1), ("chain:4", "chain", 5, 4),
-    ("dynamic:5,8,32", "dynamic", 32, 33), ("dynamic:1,3,4", "dynamic", 4, 1),
-])
+@pytest.mark.parametrize(
+    "text, kind, T, head_nodes",
+    [
+        ("chain:1", "chain", 2, 1),
+        ("chain:4", "chain", 5, 4),
+        ("dynamic:5,8,32", "dynamic", 32, 33),
+        ("dynamic:1,3,4", "dynamic", 4, 1),
+    ],
+)
 def test_tree_spec(text, kind, T, head_nodes):
     spec = TreeSpec.parse(text)
     assert (spec.kind, spec.num_nodes, spec.head_nodes, str(spec)) == (kind, T, head_nodes, text)
 
 
-@pytest.mark.parametrize("text", ["chain:0", "chain", "dynamic:3,2", "dynamic:0,2,4", "dynamic:3,0,4",
-                                  "dynamic:3,2,1", "tree:3", ""])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "chain:0",
+        "chain",
+        "dynamic:3,2",
+        "dynamic:0,2,4",
+        "dynamic:3,0,4",
+        "dynamic:3,2,1",
+        "tree:3",
+        "",
+    ],
+)
 def test_bad_tree_spec(text):
     with pytest.raises(InvalidTreeSpecError):
         TreeSpec.parse(text)
@@ -44,8 +61,12 @@ class BigramHead:
         self.table = table  # [V, V] logits
         self.calls = []
 
-    def __call__(self, tokens, features, cache, slots, cache_lens, start, num_nodes, tree_mask, positions):
-        self.calls.append((tokens.clone(), cache_lens.clone(), start, tree_mask.clone(), positions.clone()))
+    def __call__(
+        self, tokens, features, cache, slots, cache_lens, start, num_nodes, tree_mask, positions
+    ):
+        self.calls.append(
+            (tokens.clone(), cache_lens.clone(), start, tree_mask.clone(), positions.clone())
+        )
         one_hot = torch.nn.functional.one_hot(tokens, V).float()
         return torch.cat((one_hot, torch.zeros_like(one_hot)), -1)
 
@@ -66,6 +87,7 @@ def root_hidden(root_logits):
 
 def brute_force_eagle2(root_logits, table, depth, topk, total):
     """EAGLE-2, one candidate at a time: -> {token path from the root: cumulative log-prob}."""
+
     def children(path, score, logits):
         lp = torch.log_softmax(logits, -1)
         top = lp.topk(topk)
@@ -100,13 +122,17 @@ def test_dynamic_tree_matches_brute_force(depth, topk, total):
     head = BigramHead(table)
     roots = torch.tensor([1, 2, 3])
     spec = TreeSpec("dynamic", depth, topk, total)
-    d = drafting.draft_dynamic(spec, head, root_hidden(root_logits), head_cache(B, [5, 9, 17]), torch.arange(B), roots)
+    d = drafting.draft_dynamic(
+        spec, head, root_hidden(root_logits), head_cache(B, [5, 9, 17]), torch.arange(B), roots
+    )
     assert d.tokens.shape == d.parents.shape == (B, total) and d.draft_probs is None
     for b in range(B):
         n = int(d.num_nodes[b])
         want = brute_force_eagle2(root_logits[b], table, depth, topk, total)
         assert n == len(want) + 1 and int(d.tokens[b, 0]) == int(roots[b])
-        assert int(d.parents[b, 0]) == -1 and all(0 <= int(d.parents[b, i]) < i for i in range(1, n))
+        assert int(d.parents[b, 0]) == -1 and all(
+            0 <= int(d.parents[b, i]) < i for i in range(1, n)
+        )
         assert (d.parents[b, n:] == -1).all()
         paths = node_paths(d, b)
         assert set(paths.values()) - {()} == set(want)
@@ -121,7 +147,9 @@ def test_dynamic_tree_matches_brute_force(depth, topk, total):
 
 
 def tiny_target(seed=0):
-    args = ModelArgs(vocab_size=V, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64)
+    args = ModelArgs(
+        vocab_size=V, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64
+    )
     torch.manual_seed(seed)
     model = Transformer(args).eval()
     with torch.no_grad():
@@ -159,9 +187,13 @@ def test_head_tree_attention_equals_chain_recomputation(version):
         lvl1_tok = torch.randint(0, V, (1, 3))
         h1 = tree.add(lvl1_tok, h_prefix[-1].expand(1, 3, -1), torch.zeros(1, 3), depth=1)
         lvl2_tok = torch.randint(0, V, (1, 2))
-        h2 = tree.add(lvl2_tok, h1[:, [2, 0]], torch.tensor([[3, 1]]), depth=2)  # children of nodes 3 and 1
+        h2 = tree.add(
+            lvl2_tok, h1[:, [2, 0]], torch.tensor([[3, 1]]), depth=2
+        )  # children of nodes 3 and 1
         lvl3_tok = torch.randint(0, V, (1, 2))
-        h3 = tree.add(lvl3_tok, h2[:, [1, 0]], torch.tensor([[5, 4]]), depth=3)  # children of 5 and 4
+        h3 = tree.add(
+            lvl3_tok, h2[:, [1, 0]], torch.tensor([[5, 4]]), depth=3
+        )  # children of 5 and 4
 
         # path of h3[0, 0]: level-1 node 1 (token lvl1[0]) -> node 5 (lvl2[1]) -> node 6
         fresh = head.new_cache(1, 64)
@@ -177,15 +209,26 @@ def test_head_tree_attention_equals_chain_recomputation(version):
 
 def sampling(temps, top_k=0, top_p=1.0, seed=0):
     B = len(temps)
-    return BatchSampling(torch.tensor(temps, dtype=torch.float32), torch.full((B,), top_k, dtype=torch.int32),
-                         torch.full((B,), top_p), [torch.Generator().manual_seed(seed + b) for b in range(B)])
+    return BatchSampling(
+        torch.tensor(temps, dtype=torch.float32),
+        torch.full((B,), top_k, dtype=torch.int32),
+        torch.full((B,), top_p),
+        [torch.Generator().manual_seed(seed + b) for b in range(B)],
+    )
 
 
 def test_greedy_chain_is_iterated_argmax():
     table = torch.randn(V, V)
     root_logits = torch.randn(2, V)
-    d = drafting.draft_chain(TreeSpec("chain", 4), BigramHead(table), root_hidden(root_logits), head_cache(2, [3, 4]),
-                             torch.arange(2), torch.tensor([5, 6]), sampling([0.0, 0.0]))
+    d = drafting.draft_chain(
+        TreeSpec("chain", 4),
+        BigramHead(table),
+        root_hidden(root_logits),
+        head_cache(2, [3, 4]),
+        torch.arange(2),
+        torch.tensor([5, 6]),
+        sampling([0.0, 0.0]),
+    )
     assert d.draft_probs is None and d.num_nodes.tolist() == [5, 5]
     assert d.parents[0].tolist() == [-1, 0, 1, 2, 3]
     for b in range(2):
@@ -201,22 +244,35 @@ def test_sampled_chain_draws_from_draft_probs():
     N = 3000  # sampled rows, all with the same head state, plus one greedy row
     table = torch.randn(V, V)
     root_logits = torch.randn(V).expand(N + 1, V)
-    d = drafting.draft_chain(TreeSpec("chain", 2), BigramHead(table), root_hidden(root_logits), head_cache(N + 1, [3] * (N + 1)),
-                             torch.arange(N + 1), torch.full((N + 1,), 5), sampling([0.8] * N + [0.0], top_k=6))
+    d = drafting.draft_chain(
+        TreeSpec("chain", 2),
+        BigramHead(table),
+        root_hidden(root_logits),
+        head_cache(N + 1, [3] * (N + 1)),
+        torch.arange(N + 1),
+        torch.full((N + 1,), 5),
+        sampling([0.8] * N + [0.0], top_k=6),
+    )
     q1 = process_logits(root_logits[0], 0.8, 6, 1.0)
     torch.testing.assert_close(d.draft_probs[:N, 0], q1.expand(N, V))
     for b in range(0, N, 97):
-        torch.testing.assert_close(d.draft_probs[b, 1], process_logits(table[int(d.tokens[b, 1])], 0.8, 6, 1.0))
+        torch.testing.assert_close(
+            d.draft_probs[b, 1], process_logits(table[int(d.tokens[b, 1])], 0.8, 6, 1.0)
+        )
     assert (d.draft_probs[:N, 1].gather(1, d.tokens[:N, 2:3]) > 0).all()
     one_hot = torch.nn.functional.one_hot(root_logits[N].argmax(), V).float()
-    assert torch.equal(d.draft_probs[N, 0], one_hot) and int(d.tokens[N, 1]) == int(one_hot.argmax())
+    assert torch.equal(d.draft_probs[N, 0], one_hot) and int(d.tokens[N, 1]) == int(
+        one_hot.argmax()
+    )
     counts = torch.bincount(d.tokens[:N, 1], minlength=V).float()
     support = q1 > 0
     assert counts[~support].sum() == 0
     assert chisquare(counts[support], q1[support] * N).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 8, 0.6)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 8, 0.6)]
+)
 def test_draft_distribution_matches_reference_processing(temperature, top_k, top_p):
     logits = torch.randn(4, 50) * 2
     q = drafting.draft_distribution(logits, sampling([temperature] * 4, top_k, top_p))

@@ -1,5 +1,6 @@
 """EAGLE heads: the official checkpoint layouts (EAGLE-1/2 and EAGLE-3) load into a head
 whose forward matches an independent float64 implementation of the published layer."""
+
 import json
 
 import pytest
@@ -18,8 +19,16 @@ DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 32, 4, 2, 8, 48, 40
 
 @pytest.fixture(scope="module")
 def target():
-    args = ModelArgs(vocab_size=VOCAB, dim=DIM, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
-                     hidden_dim=64, tie_word_embeddings=False)
+    args = ModelArgs(
+        vocab_size=VOCAB,
+        dim=DIM,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=64,
+        tie_word_embeddings=False,
+    )
     model = Transformer(args).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -46,17 +55,34 @@ def official_checkpoint(version, draft_vocab=VOCAB, dim=DIM, fc_in=None):
     }
     if version == 3:
         ids = torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values
-        sd.update({"midlayer.input_layernorm.weight": 1 + r(dim), "midlayer.hidden_norm.weight": 1 + r(dim),
-                   "norm.weight": 1 + r(dim), "lm_head.weight": r(draft_vocab, dim),
-                   "d2t": ids - torch.arange(draft_vocab), "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, ids, True)})
+        sd.update(
+            {
+                "midlayer.input_layernorm.weight": 1 + r(dim),
+                "midlayer.hidden_norm.weight": 1 + r(dim),
+                "norm.weight": 1 + r(dim),
+                "lm_head.weight": r(draft_vocab, dim),
+                "d2t": ids - torch.arange(draft_vocab),
+                "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, ids, True),
+            }
+        )
     else:
         sd["fc.bias"] = r(dim)
         sd["embed_tokens.weight"] = r(VOCAB, dim)  # shipped by EAGLE-1; the target's is used
-    cfg = {"architectures": ["LlamaForCausalLMEagle3" if version == 3 else "LlamaForCausalLM"],
-           "model_type": "llama", "hidden_size": dim, "num_attention_heads": HEADS,
-           "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": HIDDEN,
-           "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": VOCAB,
-           "hidden_act": "silu", "torch_dtype": "float16"}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3" if version == 3 else "LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dim,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": HIDDEN,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB,
+        "hidden_act": "silu",
+        "torch_dtype": "float16",
+    }
     if version == 3:
         cfg["draft_vocab_size"] = draft_vocab
     return sd, cfg
@@ -96,7 +122,7 @@ def reference_head(sd, version, target, tokens, features):
     inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
     ang = torch.arange(S, dtype=torch.float64)[:, None] * inv
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    rot = lambda t: torch.cat((-t[..., HEAD_DIM // 2:], t[..., : HEAD_DIM // 2]), -1)
+    rot = lambda t: torch.cat((-t[..., HEAD_DIM // 2 :], t[..., : HEAD_DIM // 2]), -1)
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
     k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(S, -1)
@@ -120,7 +146,9 @@ def run_head_chain(head, tokens, features):
     mask, depth = ops.build_tree_mask(parents, num_nodes)
     zero = torch.zeros(1, dtype=torch.int32)
     with torch.no_grad():
-        h = head(tokens[None], features[None], cache, torch.tensor([0]), zero, 0, num_nodes, mask, depth)
+        h = head(
+            tokens[None], features[None], cache, torch.tensor([0]), zero, 0, num_nodes, mask, depth
+        )
         return h[0], head.logits(h[0])
 
 
@@ -155,11 +183,18 @@ def test_official_eagle3_checkpoint_reduced_vocab(target, tmp_path, fmt):
 
 @pytest.mark.parametrize("version", [2, 3])
 def test_own_format_roundtrip(target, tmp_path, version):
-    head = EagleHead.random(target, version=version, seed=7, draft_vocab_size=30 if version == 3 else None)
+    head = EagleHead.random(
+        target, version=version, seed=7, draft_vocab_size=30 if version == 3 else None
+    )
     head.save(str(tmp_path / "h"))
     loaded = load_head(str(tmp_path / "h"), target)
-    tokens, features = torch.randint(0, VOCAB, (6,)), torch.randn(6, (3 if version == 3 else 1) * DIM)
-    for a, b in zip(run_head_chain(head, tokens, features), run_head_chain(loaded, tokens, features)):
+    tokens, features = (
+        torch.randint(0, VOCAB, (6,)),
+        torch.randn(6, (3 if version == 3 else 1) * DIM),
+    )
+    for a, b in zip(
+        run_head_chain(head, tokens, features), run_head_chain(loaded, tokens, features)
+    ):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     check_against_reference(loaded, head.official_state_dict(), version, target)
 
@@ -167,10 +202,14 @@ def test_own_format_roundtrip(target, tmp_path, version):
 def test_mismatched_heads_raise(target, tmp_path):
     sd, cfg = official_checkpoint(2, dim=48)  # hidden size 48 vs the target's 32
     with pytest.raises(HeadMismatchError, match="fc.weight"):
-        load_head(write_checkpoint(tmp_path / "a", sd, {**cfg, "hidden_size": 48}, "safetensors"), target)
+        load_head(
+            write_checkpoint(tmp_path / "a", sd, {**cfg, "hidden_size": 48}, "safetensors"), target
+        )
     sd, cfg = official_checkpoint(2)
     with pytest.raises(HeadMismatchError, match="vocabulary"):
-        load_head(write_checkpoint(tmp_path / "b", sd, {**cfg, "vocab_size": 50}, "safetensors"), target)
+        load_head(
+            write_checkpoint(tmp_path / "b", sd, {**cfg, "vocab_size": 50}, "safetensors"), target
+        )
     sd, cfg = official_checkpoint(3, fc_in=2 * DIM)  # EAGLE-3 fc must fuse 3 features
     with pytest.raises(HeadMismatchError, match="fc.weight"):
         load_head(write_checkpoint(tmp_path / "c", sd, cfg, "safetensors"), target)

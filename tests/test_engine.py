@@ -6,6 +6,7 @@ decoding, which fails for a deliberately broken sampler). Tiny random models wit
 vocabulary make acceptance frequent even for random heads; the "oracle" head (which
 predicts the target's residual-free next token) makes it frequent for long chains.
 """
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -27,8 +28,17 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3]
 def tiny_model(vocab_size=32, layer_scale=0.005, seed=0):
     """A random 3-layer model; layer_scale shrinks the layers' contribution to the residual
     stream, so the next token is mostly a function of the current one (predictable)."""
-    args = ModelArgs(vocab_size=vocab_size, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
-                     hidden_dim=64, tie_word_embeddings=False, max_position_embeddings=256)
+    args = ModelArgs(
+        vocab_size=vocab_size,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
     gen = torch.Generator().manual_seed(seed)
     model = Transformer(args).eval()
     with torch.no_grad():
@@ -74,7 +84,9 @@ def run(model, head, tree, batch_size, params=None, prompts=PROMPTS, **kw):
     return [r.token_ids for r in results], stats
 
 
-@pytest.mark.parametrize("head_kind", ["oracle-eagle2", "oracle-eagle2-draft-vocab", "random-eagle3"])
+@pytest.mark.parametrize(
+    "head_kind", ["oracle-eagle2", "oracle-eagle2-draft-vocab", "random-eagle3"]
+)
 @pytest.mark.parametrize("tree", ["chain:4", "dynamic:4,3,10"])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_greedy_speculative_equals_plain(model, contextual_model, head_kind, tree, batch_size):
@@ -83,7 +95,9 @@ def test_greedy_speculative_equals_plain(model, contextual_model, head_kind, tre
     if head_kind.startswith("oracle-eagle2"):
         head = oracle_head(model)
         if head_kind.endswith("draft-vocab"):  # drafts only ever from 24 of the 32 ids
-            head.set_draft_vocab(torch.randperm(32, generator=torch.Generator().manual_seed(0))[:24])
+            head.set_draft_vocab(
+                torch.randperm(32, generator=torch.Generator().manual_seed(0))[:24]
+            )
     else:
         model = contextual_model
         head = EagleHead.random(model, version=3, seed=1)
@@ -100,7 +114,9 @@ def test_greedy_mixed_lengths_and_cache_limit(model):
     """Different max_new_tokens per request and a cache that fills up: 'length', no crash;
     outputs still match plain decoding."""
     head = oracle_head(model)
-    reqs = lambda: [Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, (3, 40, 7, 60))]
+    reqs = lambda: [
+        Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, (3, 40, 7, 60))
+    ]
     outs = []
     for h in (None, head):
         eng = Engine(model, head=h, tree="dynamic:4,3,10", batch_size=2, max_seq_len=32)
@@ -117,8 +133,14 @@ def test_greedy_mixed_lengths_and_cache_limit(model):
 def test_eos_and_stream(model):
     plain, _ = run(model, None, "chain:1", 1)
     eos = plain[0][5]  # the 6th generated token of prompt 0 ends it
-    eng = Engine(model, head=oracle_head(model), tree="chain:4", batch_size=2, max_seq_len=96,
-                 eos_token_ids=[eos])
+    eng = Engine(
+        model,
+        head=oracle_head(model),
+        tree="chain:4",
+        batch_size=2,
+        max_seq_len=96,
+        eos_token_ids=[eos],
+    )
     run_ = eng.stream([Request(p, SamplingParams(max_new_tokens=24)) for p in PROMPTS])
     streamed = {}
     for rid, new in run_:
@@ -155,7 +177,10 @@ def test_sampled_request_independent_of_batch(model):
     for tree in ("chain:3", "dynamic:3,3,8"):
         eng = Engine(model, head=head, tree=tree, batch_size=3, max_seq_len=96)
         alone, _ = eng.generate([Request(PROMPTS[2], params)])
-        mates = [Request(p, SamplingParams(temperature=1.0, seed=i, max_new_tokens=20)) for i, p in enumerate(PROMPTS)]
+        mates = [
+            Request(p, SamplingParams(temperature=1.0, seed=i, max_new_tokens=20))
+            for i, p in enumerate(PROMPTS)
+        ]
         mixed, _ = eng.generate(mates[:2] + [Request(PROMPTS[2], params)] + mates[2:])
         assert mixed[2].token_ids == alone[0].token_ids
 
@@ -168,18 +193,26 @@ def test_stats(model):
     assert len(d["acceptance_rate"]) == 4 and all(0 <= r <= 1 for r in d["acceptance_rate"])
     assert d["nodes_per_step"] == 5.0
     assert d["mean_acceptance_length"] == pytest.approx(
-        sum((a + 1) * n for a, n in enumerate(d["first_rejection_hist"])) / d["target_forwards"])
+        sum((a + 1) * n for a, n in enumerate(d["first_rejection_hist"])) / d["target_forwards"]
+    )
     assert all(d["time_s"][p] > 0 for p in ("prefill", "draft", "verify", "sample", "compact"))
     assert d["tokens_per_s"] > 0 and d["ttft_s"] > 0 and d["tpot_s"] > 0
 
 
-@pytest.mark.parametrize("bad", [
-    dict(prompt=[]),
-    dict(prompt=list(range(20)) * 5),  # 100 tokens > 96 cache positions
-    dict(prompt=[1, 99]),  # out of vocabulary
-    dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
-    dict(top_k=-2), dict(max_new_tokens=0),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(prompt=[]),
+        dict(prompt=list(range(20)) * 5),  # 100 tokens > 96 cache positions
+        dict(prompt=[1, 99]),  # out of vocabulary
+        dict(temperature=-1.0),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(max_new_tokens=0),
+    ],
+)
 def test_invalid_requests(model, bad):
     prompt = bad.pop("prompt", [1, 2, 3])
     eng = Engine(model, max_seq_len=96)
@@ -195,7 +228,10 @@ N_TOKENS = 3
 def first_tokens(model, head, tree, params, **engine_kw):
     """[N_SEEDS, N_TOKENS] generated tokens, one seeded request per row."""
     eng = Engine(model, head=head, tree=tree, batch_size=250, max_seq_len=32, **engine_kw)
-    reqs = [Request([1, 2, 3], SamplingParams(**params, seed=s, max_new_tokens=N_TOKENS)) for s in range(N_SEEDS)]
+    reqs = [
+        Request([1, 2, 3], SamplingParams(**params, seed=s, max_new_tokens=N_TOKENS))
+        for s in range(N_SEEDS)
+    ]
     results, _ = eng.generate(reqs)
     return torch.tensor([r.token_ids for r in results])
 
@@ -224,8 +260,10 @@ def small_vocab_model():
 
 @pytest.fixture(scope="module")
 def plain_samples(small_vocab_model):
-    return {key: first_tokens(small_vocab_model, None, "chain:1", params)
-            for key, params in SAMPLING.items()}
+    return {
+        key: first_tokens(small_vocab_model, None, "chain:1", params)
+        for key, params in SAMPLING.items()
+    }
 
 
 SAMPLING = {"t1": dict(temperature=1.0), "filtered": dict(temperature=0.7, top_k=6, top_p=0.9)}
@@ -241,16 +279,36 @@ def test_sampled_speculative_follows_target(small_vocab_model, plain_samples, tr
 
 def test_sampled_chain_with_draft_vocabulary_follows_target(small_vocab_model, plain_samples):
     """Sampled chain drafts from a reduced vocabulary: draft_probs is zero outside it."""
-    head = oracle_head(small_vocab_model).set_draft_vocab(torch.tensor([0, 2, 3, 5, 7, 8, 9, 11, 12, 14]))
+    head = oracle_head(small_vocab_model).set_draft_vocab(
+        torch.tensor([0, 2, 3, 5, 7, 8, 9, 11, 12, 14])
+    )
     spec = first_tokens(small_vocab_model, head, "chain:3", SAMPLING["t1"])
     assert same_distribution_pvalue(spec, plain_samples["t1"]) > 1e-3
 
 
-def always_accept(target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k,
-                  top_p, uniforms):
+def always_accept(
+    target_logits,
+    draft_tokens,
+    parents,
+    num_nodes,
+    draft_probs,
+    temperature,
+    top_k,
+    top_p,
+    uniforms,
+):
     """A broken sampler: follows the first child down to a leaf, accepting every draft."""
     accepted, num_accepted, out = ops.tree_rejection_sample(
-        target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, uniforms)
+        target_logits,
+        draft_tokens,
+        parents,
+        num_nodes,
+        draft_probs,
+        temperature,
+        top_k,
+        top_p,
+        uniforms,
+    )
     for b in range(parents.shape[0]):
         path = [0]
         while True:
@@ -272,7 +330,9 @@ def test_broken_sampler_is_detected(small_vocab_model, plain_samples, monkeypatc
             return always_accept if name == "tree_rejection_sample" else getattr(ops, name)
 
     monkeypatch.setattr(engine_module, "ops", BrokenOps())
-    spec = first_tokens(small_vocab_model, oracle_head(small_vocab_model), "dynamic:3,3,8", SAMPLING["t1"])
+    spec = first_tokens(
+        small_vocab_model, oracle_head(small_vocab_model), "dynamic:3,3,8", SAMPLING["t1"]
+    )
     assert same_distribution_pvalue(spec, plain_samples["t1"]) < 1e-6
 
 
@@ -282,11 +342,17 @@ def test_default_model_greedy_speculative_equals_plain():
     from specdec.loader import load_model
 
     model, tok = load_model()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
-               for q in ("What is 2 + 2?", "Name a colour.")]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}])
+        for q in ("What is 2 + 2?", "Name a colour.")
+    ]
     head = EagleHead.random(model, seed=0)
     outs = {}
-    for name, h, tree in (("plain", None, "chain:1"), ("chain", head, "chain:3"), ("tree", head, "dynamic:3,4,12")):
+    for name, h, tree in (
+        ("plain", None, "chain:1"),
+        ("chain", head, "chain:3"),
+        ("tree", head, "dynamic:3,4,12"),
+    ):
         eng = Engine(model, tok, head=h, tree=tree, batch_size=2, max_seq_len=128)
         results, _ = eng.generate([Request(p, SamplingParams(max_new_tokens=8)) for p in prompts])
         outs[name] = [r.token_ids for r in results]

@@ -1,6 +1,7 @@
 """Failures of the engine API (issue 10): typed errors before any work, and a request that
 fails (validation, NaN logits) finishing alone with finish_reason "error" while the others
 complete exactly as they would have. Tiny random models, a few seconds in all."""
+
 import pytest
 import torch
 
@@ -35,6 +36,7 @@ def poison(monkeypatch, model, slot, call):
                 out.logits[torch.as_tensor(slots) == slot] = float("nan")
             calls[0] += 1
             return out
+
         return wrapped
 
     monkeypatch.setattr(model, "prefill", poisoned(model.prefill))
@@ -48,18 +50,30 @@ def test_nan_logits_fail_one_request_only(model, monkeypatch, tree, call, temper
     head = None if tree == "plain" else oracle_head(model)
     kw = FIXED_COSTS if tree.startswith("adaptive") else {}
     params = [SamplingParams(temperature=temperature, seed=i, max_new_tokens=20) for i in range(3)]
-    eng = Engine(model, head=head, tree="chain:1" if head is None else tree, batch_size=3, max_seq_len=96, **kw)
-    if temperature == 0 or not tree.startswith("adaptive"):  # sampled adaptive: depends on batch-mates
+    eng = Engine(
+        model,
+        head=head,
+        tree="chain:1" if head is None else tree,
+        batch_size=3,
+        max_seq_len=96,
+        **kw,
+    )
+    if temperature == 0 or not tree.startswith(
+        "adaptive"
+    ):  # sampled adaptive: depends on batch-mates
         alone = [eng.generate([Request(PROMPTS[i], params[i])])[0][0] for i in (0, 2)]
     else:
         alone = None
     poison(monkeypatch, model, slot=1, call=call)
     finished = []
-    results, stats = eng.generate([Request(p, q) for p, q in zip(PROMPTS[:3], params)],
-                                  progress=finished.append)
+    results, stats = eng.generate(
+        [Request(p, q) for p, q in zip(PROMPTS[:3], params)], progress=finished.append
+    )
     bad = results[1]
     assert bad.finish_reason == "error" and bad.error.startswith("request 1: sampling failed:")
-    assert "NaN" in bad.error and len(bad.token_ids) == (0 if call == 0 else bad.stats.generated_tokens)
+    assert "NaN" in bad.error and len(bad.token_ids) == (
+        0 if call == 0 else bad.stats.generated_tokens
+    )
     assert len(finished) == 3 and finished[0] is bad  # reported when it fails, not at the end
     for r in (results[0], results[2]):
         assert r.finish_reason == "length" and r.error is None and len(r.token_ids) == 20
@@ -80,15 +94,21 @@ def _nan_everywhere(fn):
         out = fn(*args, **kw)
         out.logits.fill_(float("nan"))
         return out
+
     return wrapped
 
 
 def test_invalid_requests_reported_together_before_any_work(model):
     eng = Engine(model, head=oracle_head(model), tree="chain:3", batch_size=2, max_seq_len=32)
     params = SamplingParams(max_new_tokens=6)
-    reqs = [Request(PROMPTS[0], params), Request([], params), Request(list(range(20)) * 2, params),
-            Request([1.0, 2.0], params), Request(PROMPTS[1], SamplingParams(max_new_tokens=6, seed=2**70)),
-            Request(PROMPTS[1], params)]
+    reqs = [
+        Request(PROMPTS[0], params),
+        Request([], params),
+        Request(list(range(20)) * 2, params),
+        Request([1.0, 2.0], params),
+        Request(PROMPTS[1], SamplingParams(max_new_tokens=6, seed=2**70)),
+        Request(PROMPTS[1], params),
+    ]
     events = []
     run = eng.stream(reqs, on_finish=lambda r: events.append(("finish", r.request_id)))
     for rid, _ in run:
@@ -106,32 +126,50 @@ def test_invalid_requests_reported_together_before_any_work(model):
 
 def test_no_valid_request_raises_every_problem(model):
     eng = Engine(model, max_seq_len=32)
-    with pytest.raises(InvalidRequestError, match=r"2 invalid.*request 0: empty prompt.*request 1: .*\[0, 32\)"):
+    with pytest.raises(
+        InvalidRequestError, match=r"2 invalid.*request 0: empty prompt.*request 1: .*\[0, 32\)"
+    ):
         eng.generate([Request([]), Request([1, 99])])
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ([1.5, 2.0], {}, "integer token ids"),
-    (torch.tensor([1.0, 2.0]), {}, "integer token ids"),
-    ("abc", {}, "integer token ids"),
-    ([1, 2], dict(seed=2**70), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
-    ([1, 2], dict(seed=1.5), "seed"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([1.5, 2.0], {}, "integer token ids"),
+        (torch.tensor([1.0, 2.0]), {}, "integer token ids"),
+        ("abc", {}, "integer token ids"),
+        ([1, 2], dict(seed=2**70), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+        ([1, 2], dict(seed=1.5), "seed"),
+    ],
+)
 def test_request_types_are_checked(model, prompt, params, match):
     with pytest.raises(InvalidRequestError, match=match):
-        Engine(model, max_seq_len=32).generate([Request(prompt, SamplingParams(max_new_tokens=2, **params))])
+        Engine(model, max_seq_len=32).generate(
+            [Request(prompt, SamplingParams(max_new_tokens=2, **params))]
+        )
 
 
 def test_integer_like_token_ids_are_accepted(model):
     import numpy as np
 
     eng = Engine(model, max_seq_len=32)
-    results, _ = eng.generate([Request(np.array([1, 2, 3])), Request(torch.tensor([1, 2, 3]))],)
+    results, _ = eng.generate(
+        [Request(np.array([1, 2, 3])), Request(torch.tensor([1, 2, 3]))],
+    )
     assert results[0].token_ids == results[1].token_ids and results[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=0), dict(batch_size=-1), dict(batch_size=2.0),
-                                dict(block_size=0), dict(max_seq_len=0), dict(max_seq_len=-5)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(batch_size=0),
+        dict(batch_size=-1),
+        dict(batch_size=2.0),
+        dict(block_size=0),
+        dict(max_seq_len=0),
+        dict(max_seq_len=-5),
+    ],
+)
 def test_engine_arguments_are_checked(model, kw):
     """batch_size=0 used to loop forever in generate(); max_seq_len=0 silently meant the default."""
     with pytest.raises(InvalidRequestError, match=next(iter(kw))):
@@ -143,15 +181,25 @@ def test_batch_size_larger_than_memory(model):
         Engine(model, batch_size=100_000_000)
 
 
-@pytest.mark.parametrize("tree", ["dynamic:100,100,10000", "chain:100000", "adaptive:100,100,10000",
-                                  "chain:256", "dynamic:4,4,256"])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        "dynamic:100,100,10000",
+        "chain:100000",
+        "adaptive:100,100,10000",
+        "chain:256",
+        "dynamic:4,4,256",
+    ],
+)
 def test_tree_must_fit_the_cache(model, monkeypatch, tree):
     """Checked at construction, before adaptive mode measures its costs over such trees: the
     model's context (tiny_model: 256 positions) holds the tree and at least a 1-token prompt.
     (These used to fail at the first request, saying it was longer than a cache of a
     negative number of positions.)"""
     monkeypatch.setattr(adaptive.CostModel, "measure", lambda *a, **k: pytest.fail("measured"))
-    with pytest.raises(InvalidTreeSpecError, match=r"nodes, more than the cache allows \(at most 255"):
+    with pytest.raises(
+        InvalidTreeSpecError, match=r"nodes, more than the cache allows \(at most 255"
+    ):
         Engine(model, head=oracle_head(model), tree=tree, max_seq_len=96)
 
 
@@ -161,10 +209,15 @@ def test_largest_tree_that_fits(model):
     eng = Engine(model, head=oracle_head(model), tree="chain:254", max_seq_len=24)
     (r,), _ = eng.generate([Request([1], SamplingParams(max_new_tokens=200))])
     assert r.finish_reason == "length" and len(r.token_ids) == 1  # prompt + tokens = cache + 1
-    with pytest.raises(InvalidRequestError, match=r"longer than the cache \(1 positions per request: the "
-                                                  r"model's context of 256 positions less 255 for the verified tree"):
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"longer than the cache \(1 positions per request: the "
+        r"model's context of 256 positions less 255 for the verified tree",
+    ):
         eng.generate([Request([1, 2])])
-    eng = Engine(model, head=oracle_head(model), tree="chain:30", max_seq_len=24)  # larger than max_seq_len
+    eng = Engine(
+        model, head=oracle_head(model), tree="chain:30", max_seq_len=24
+    )  # larger than max_seq_len
     (r,), _ = eng.generate([Request([1], SamplingParams(max_new_tokens=200))])
     assert r.finish_reason == "length" and len(r.token_ids) == 24
 

@@ -3,6 +3,7 @@
 The graph is read from the source (every `import` / `from ... import`, also those inside
 functions, since a lazy import back into an entry point is still a cycle) plus the module
 names the CLI loads with importlib; the runtime checks use fresh interpreters."""
+
 import ast
 import os
 import subprocess
@@ -56,7 +57,7 @@ def find_cycle(graph):
         state[node] = "active"
         for dep in sorted(graph[node]):
             if state.get(dep) == "active":
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state:
                 cycle = visit(dep, stack + [dep])
                 if cycle:
@@ -74,7 +75,9 @@ def find_cycle(graph):
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert {"specdec.cli", "specdec.apps.generate", "specdec.apps.train", "specdec.engine"} <= set(graph)
+    assert {"specdec.cli", "specdec.apps.generate", "specdec.apps.train", "specdec.engine"} <= set(
+        graph
+    )
     assert "specdec.apps.generate" in graph["specdec.cli"]  # the lazy subcommands are seen
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
@@ -93,28 +96,46 @@ def test_layers():
 def run_python(*args):
     """A fresh interpreter that imports this specdec / specdec_kernels (run from elsewhere, so a
     source checkout in the working directory cannot shadow an installed build)."""
-    roots = {os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))) for m in (specdec, specdec_kernels)}
+    roots = {
+        os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
+        for m in (specdec, specdec_kernels)
+    }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=os.path.dirname(PACKAGE_DIR))
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=os.path.dirname(PACKAGE_DIR),
+    )
 
 
 def test_subcommands_load_lazily():
-    code = ("import sys; from specdec.cli import build_parser; "
-            "before = set(sys.modules); build_parser(['generate', '--prompt', 'x']); "
-            "print(sorted(m for m in before if m.split('.')[0] in ('specdec', 'torch'))); "
-            "print(sorted(m for m in sys.modules if m.startswith('specdec.apps')))")
+    code = (
+        "import sys; from specdec.cli import build_parser; "
+        "before = set(sys.modules); build_parser(['generate', '--prompt', 'x']); "
+        "print(sorted(m for m in before if m.split('.')[0] in ('specdec', 'torch'))); "
+        "print(sorted(m for m in sys.modules if m.startswith('specdec.apps')))"
+    )
     proc = run_python("-c", code)
     assert proc.returncode == 0, proc.stderr
     at_import, after_parse = proc.stdout.splitlines()
-    assert eval(at_import) == ["specdec", "specdec.cli", "specdec.errors"]  # no torch for `specdec --help`
+    assert eval(at_import) == [
+        "specdec",
+        "specdec.cli",
+        "specdec.errors",
+    ]  # no torch for `specdec --help`
     assert eval(after_parse) == ["specdec.apps", "specdec.apps.common", "specdec.apps.generate"]
 
 
 def test_module_entry_points():
     """`python -m specdec`, and the old `python -m specdec.train` / `specdec.bench` redirects."""
-    for module, subcommand, flag in (("specdec", None, "generate"), ("specdec.train", "train-head", "--ttt-steps"),
-                                     ("specdec.bench", "bench", "--chain-ks")):
+    for module, subcommand, flag in (
+        ("specdec", None, "generate"),
+        ("specdec.train", "train-head", "--ttt-steps"),
+        ("specdec.bench", "bench", "--chain-ks"),
+    ):
         proc = run_python("-m", module, "--help")
         assert proc.returncode == 0 and flag in proc.stdout, (module, proc.stdout, proc.stderr)
         if subcommand:

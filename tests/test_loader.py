@@ -1,4 +1,5 @@
 """Model loading: the default GGUF and its conversion cache, HF checkpoint dirs, typed errors, tokenizer."""
+
 import json
 import os
 import shutil
@@ -17,14 +18,22 @@ from specdec.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
-    [{"role": "system", "content": "You answer in French."},
-     {"role": "user", "content": "What is 2 + 2?"},
-     {"role": "assistant", "content": "Quatre."},
-     {"role": "user", "content": "And 3 × 3?\n\nThanks  "}],
+    [
+        {"role": "system", "content": "You answer in French."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "Quatre."},
+        {"role": "user", "content": "And 3 × 3?\n\nThanks  "},
+    ],
 ]
-TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines", "digits 1234567890 and 3.14159",
-         "Ünïcödé, 日本語, emoji 🤖🚀", "<|im_start|>user\nspecial tokens stay whole<|im_end|>",
-         "def f(x):\n    return x ** 2  # code", ""]
+TEXTS = [
+    "Hello world",
+    "  leading spaces and\ttabs\n\nnew lines",
+    "digits 1234567890 and 3.14159",
+    "Ünïcödé, 日本語, emoji 🤖🚀",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>",
+    "def f(x):\n    return x ** 2  # code",
+    "",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,9 @@ def hf_gguf_tokenizer():
     """transformers' own tokenizer built from the GGUF metadata: the independent reference."""
     transformers = pytest.importorskip("transformers")
     path = loader.default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
 
 
 def test_default_model_path_found():
@@ -63,8 +74,13 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch):
     model, tok = loader.load_model()
     out = tmp_path / "SmolLM2-135M-Instruct.Q4_1"
     assert len(calls) == 1
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= set(os.listdir(out))
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= set(os.listdir(out))
     assert [p for p in os.listdir(tmp_path) if p.startswith(".converting")] == []
     assert model.args.n_layers == 30 and model.args.dim == 576 and model.args.n_kv_heads == 3
     assert model.output.weight is model.tok_embeddings.weight  # tied
@@ -95,9 +111,13 @@ def test_converted_dir_round_trips_as_hf_checkpoint(default_dir, tmp_path):
     re-saved copy (sharded, bf16-free float32) loads identically too."""
     model, tok = loader.load_model(default_dir)
     sd = load_file(os.path.join(default_dir, "model.safetensors"))
-    torch.testing.assert_close(model.tok_embeddings.weight, sd["model.embed_tokens.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.tok_embeddings.weight, sd["model.embed_tokens.weight"], rtol=0, atol=0
+    )
     q, k, v = (sd[f"model.layers.3.self_attn.{x}_proj.weight"] for x in "qkv")
-    torch.testing.assert_close(model.layers[3].attention.wqkv.weight, torch.cat([q, k, v]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.layers[3].attention.wqkv.weight, torch.cat([q, k, v]), rtol=0, atol=0
+    )
 
     copy = tmp_path / "copy"
     shutil.copytree(default_dir, copy, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -111,9 +131,17 @@ def test_converted_dir_round_trips_as_hf_checkpoint(default_dir, tmp_path):
 
 
 def write_config(path, **overrides):
-    cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=16,
-               intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-               tie_word_embeddings=True)
+    cfg = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     cfg.update(overrides)
     cfg = {k: v for k, v in cfg.items() if v is not None}  # None drops a key
     os.makedirs(path, exist_ok=True)
@@ -121,18 +149,21 @@ def write_config(path, **overrides):
         json.dump(cfg, f)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing path", "neither a .gguf file nor a directory"),
-    ("not a gguf file", "neither a .gguf file nor a directory"),
-    ("no config.json", "config.json is missing"),
-    ("bad config.json", "cannot read .*config.json"),
-    ("incomplete config", "config.json lacks \\['vocab_size'\\]"),
-    ("gpt2 model", "unsupported model_type 'gpt2'"),
-    ("yarn rope", "unsupported rope type 'yarn'"),
-    ("gelu act", "hidden_act='gelu'"),
-    ("no safetensors", "no \\*.safetensors weights"),
-    ("missing weight", "9 weights are missing .*'model.layers.0.input_layernorm.weight'"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing path", "neither a .gguf file nor a directory"),
+        ("not a gguf file", "neither a .gguf file nor a directory"),
+        ("no config.json", "config.json is missing"),
+        ("bad config.json", "cannot read .*config.json"),
+        ("incomplete config", "config.json lacks \\['vocab_size'\\]"),
+        ("gpt2 model", "unsupported model_type 'gpt2'"),
+        ("yarn rope", "unsupported rope type 'yarn'"),
+        ("gelu act", "hidden_act='gelu'"),
+        ("no safetensors", "no \\*.safetensors weights"),
+        ("missing weight", "9 weights are missing .*'model.layers.0.input_layernorm.weight'"),
+    ],
+)
 def test_bad_paths_raise_model_load_error(case, message, tmp_path):
     path = str(tmp_path / "model")
     if case == "not a gguf file":
@@ -148,8 +179,10 @@ def test_bad_paths_raise_model_load_error(case, message, tmp_path):
         write_config(path)
     elif case == "missing weight":
         write_config(path)
-        save_file({"model.embed_tokens.weight": torch.randn(32, 16), "model.norm.weight": torch.ones(16)},
-                  os.path.join(path, "model.safetensors"))
+        save_file(
+            {"model.embed_tokens.weight": torch.randn(32, 16), "model.norm.weight": torch.ones(16)},
+            os.path.join(path, "model.safetensors"),
+        )
     elif case == "no config.json":
         os.makedirs(path)
     elif case == "bad config.json":
@@ -164,11 +197,24 @@ def test_bad_paths_raise_model_load_error(case, message, tmp_path):
 
 def test_model_args_from_both_config_formats():
     """transformers 4 (rope_theta + rope_scaling) and 5 (rope_parameters) configs read the same."""
-    base = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=512)
-    llama3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
-    v4 = ModelArgs.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}})
-    v5 = ModelArgs.from_hf_config({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", **llama3}})
+    base = dict(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=512,
+    )
+    llama3 = dict(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    )
+    v4 = ModelArgs.from_hf_config(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}}
+    )
+    v5 = ModelArgs.from_hf_config(
+        {**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", **llama3}}
+    )
     assert v4 == v5 and v4.rope_theta == 5e5 and v4.rope_scaling["rope_type"] == "llama3"
     assert v4.n_kv_heads == 2 and v4.head_dim == 8
     mistral = ModelArgs.from_hf_config({**base, "model_type": "mistral", "sliding_window": 128})
@@ -190,13 +236,17 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(default_dir, hf_gguf_toke
 
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(default_dir, hf_gguf_tokenizer, conversation, add_generation_prompt):
+def test_chat_template_matches_transformers(
+    default_dir, hf_gguf_tokenizer, conversation, add_generation_prompt
+):
     messages = CONVERSATIONS[conversation]
     tok = Tokenizer.from_dir(default_dir)
-    expected = hf_gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=False)
+    expected = hf_gguf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
     assert tok.render_chat(messages, add_generation_prompt) == expected
-    ids = hf_gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                tokenize=True)
+    ids = hf_gguf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert tok.apply_chat_template(messages, add_generation_prompt) == list(ids)

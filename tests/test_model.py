@@ -3,6 +3,7 @@
 float32 throughout (tree_verify has no float64 path): logits of the same computation done in a
 different order agree to ~1e-5, so comparisons use atol = rtol = 1e-4.
 """
+
 import pytest
 import torch
 
@@ -17,13 +18,28 @@ TOL = dict(atol=1e-4, rtol=1e-4)
 
 @pytest.fixture
 def transformers():
-    return pytest.importorskip("transformers", reason="pip install .[hf] for the transformers comparisons")
+    return pytest.importorskip(
+        "transformers", reason="pip install .[hf] for the transformers comparisons"
+    )
+
+
 POISON = -7.0  # cache value no write should leave behind where nothing was written
 
 
 def tiny_args(**kw):
-    args = dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=96,
-                norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=True)
+    args = dict(
+        vocab_size=97,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=96,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=True,
+    )
     return ModelArgs(**{**args, **kw})
 
 
@@ -92,12 +108,16 @@ def test_tree_forward_matches_sequential_paths(kinds):
             rows, _ = cache.rows(torch.tensor([slot]), torch.tensor([[c + i]]))
             ref_rows, _ = ref_cache.rows(ref_slot, torch.tensor([[c + len(path) - 1]]))
             for kv, ref_kv in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
-                torch.testing.assert_close(kv.flatten(1, 2)[:, rows], ref_kv.flatten(1, 2)[:, ref_rows], **TOL)
+                torch.testing.assert_close(
+                    kv.flatten(1, 2)[:, rows], ref_kv.flatten(1, 2)[:, ref_rows], **TOL
+                )
         # everything past the prompt and the valid nodes of this slot is untouched
         unwritten, _ = cache.rows(torch.tensor([slot]), torch.arange(c + n, cache.capacity)[None])
         assert (cache.k.flatten(1, 2)[:, unwritten] == POISON).all()
         assert (cache.v.flatten(1, 2)[:, unwritten] == POISON).all()
-    assert (cache.k.flatten(1, 2)[:, cache.rows(torch.tensor([1]), torch.arange(48)[None])[0]] == POISON).all()
+    assert (
+        cache.k.flatten(1, 2)[:, cache.rows(torch.tensor([1]), torch.arange(48)[None])[0]] == POISON
+    ).all()
 
 
 def test_tree_forward_is_sensitive_to_positions_and_mask():
@@ -113,11 +133,24 @@ def test_tree_forward_is_sensitive_to_positions_and_mask():
     def run(parents_for_mask, depth_override=None):
         cache = model.new_cache(num_slots=1, max_seq_len=32, block_size=4)
         slot = torch.tensor([0])
-        model.prefill([torch.randint(0, model.args.vocab_size, (7,), generator=torch.Generator().manual_seed(0))],
-                      cache, slot)
+        model.prefill(
+            [
+                torch.randint(
+                    0, model.args.vocab_size, (7,), generator=torch.Generator().manual_seed(0)
+                )
+            ],
+            cache,
+            slot,
+        )
         tree_mask, depth = sk.build_tree_mask(parents_for_mask, num_nodes)
-        return model(tokens, cache, slot, num_nodes, tree_mask,
-                     depth if depth_override is None else depth_override).logits[0]
+        return model(
+            tokens,
+            cache,
+            slot,
+            num_nodes,
+            tree_mask,
+            depth if depth_override is None else depth_override,
+        ).logits[0]
 
     right = run(star)
     wrong_positions = run(star, torch.arange(T, dtype=torch.int32)[None])
@@ -134,13 +167,18 @@ def test_prefill_matches_decode_and_features():
     cache = model.new_cache(num_slots=1, max_seq_len=16, block_size=4, shuffle_blocks=True)
     slot = torch.tensor([0])
     pre = model.prefill([prompt], cache, slot, feature_layers=(0, 2))
-    assert pre.aux[0].shape == (11, 2 * model.args.dim) and pre.hidden[0].shape == (11, model.args.dim)
+    assert pre.aux[0].shape == (11, 2 * model.args.dim) and pre.hidden[0].shape == (
+        11,
+        model.args.dim,
+    )
 
     cache.reset(slot)
     parents, num_nodes = torch.tensor([[-1]], dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     tree_mask, depth = sk.build_tree_mask(parents, num_nodes)
     for s, tok in enumerate(prompt.tolist()):
-        out = model(torch.tensor([[tok]]), cache, slot, num_nodes, tree_mask, depth, feature_layers=(0, 2))
+        out = model(
+            torch.tensor([[tok]]), cache, slot, num_nodes, tree_mask, depth, feature_layers=(0, 2)
+        )
         cache.cache_lens[slot] += 1
         torch.testing.assert_close(out.hidden[0, 0], pre.hidden[0][s], **TOL)
         torch.testing.assert_close(out.aux[0, 0], pre.aux[0][s], **TOL)
@@ -152,7 +190,12 @@ def test_flat_block_parameter_names_still_load():
     """TransformerBlock's parameters before it had Attention / FeedForward submodules (layers.i.wqkv,
     .wo, .w13, .w2: what loader.py builds, older training checkpoints) load into the nested ones."""
     model = random_model(tiny_args())
-    nested = {"attention.wqkv": "wqkv", "attention.wo": "wo", "feed_forward.w13": "w13", "feed_forward.w2": "w2"}
+    nested = {
+        "attention.wqkv": "wqkv",
+        "attention.wo": "wo",
+        "feed_forward.w13": "w13",
+        "feed_forward.w2": "w2",
+    }
     flat = {}
     for name, p in model.state_dict().items():
         for new, old in nested.items():
@@ -167,11 +210,23 @@ def test_flat_block_parameter_names_still_load():
 
 # ------------------------------------------------------------------ transformers, tiny models
 HF_CONFIGS = {
-    "llama-llama3-rope": ("LlamaConfig", dict(rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64), tie_word_embeddings=False)),
-    "llama-linear-rope-tied": ("LlamaConfig", dict(rope_scaling=dict(rope_type="linear", factor=2.5),
-                                                   tie_word_embeddings=True)),
+    "llama-llama3-rope": (
+        "LlamaConfig",
+        dict(
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-linear-rope-tied": (
+        "LlamaConfig",
+        dict(rope_scaling=dict(rope_type="linear", factor=2.5), tie_word_embeddings=True),
+    ),
     "qwen2-qkv-bias": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=256, tie_word_embeddings=False)),
 }
@@ -183,11 +238,22 @@ def test_tiny_hf_checkpoints_match_transformers(name, tmp_path, transformers):
     (prefill's last position, then a chain verified in one forward)."""
     cls_name, extra = HF_CONFIGS[name]
     config = getattr(transformers, cls_name)(
-        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0, rms_norm_eps=1e-5, **extra)
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        **extra,
+    )
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
-        for p in hf.parameters():  # transformers zero-inits biases and ones-inits norms: randomise all
+        for (
+            p
+        ) in hf.parameters():  # transformers zero-inits biases and ones-inits norms: randomise all
             p.normal_(0.0, 0.3) if p.dim() == 1 else p.normal_(0.0, p.shape[-1] ** -0.5)
     hf.save_pretrained(tmp_path)
     model = load_checkpoint_dir(str(tmp_path))
@@ -210,13 +276,26 @@ def test_tiny_hf_checkpoints_match_transformers(name, tmp_path, transformers):
 
 # ------------------------------------------------------------------ transformers, the default model
 PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
-    "List three prime numbers.", "What is 17 * 23?", "Translate 'good morning' into Spanish.",
-    "Who wrote Hamlet?", "Give me a tip for learning Python.", "What does a CPU do?",
-    "Name a famous painting.", "Why is the sky blue?", "How many legs does a spider have?",
-    "Suggest a name for a cat.", "What is photosynthesis?", "Tell me a short joke.",
-    "What is the boiling point of water?", "Describe a rainbow in one sentence.",
-    "What is machine learning?", "Recommend a book for a long flight.", "How do I make a cup of tea?",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child.",
+    "List three prime numbers.",
+    "What is 17 * 23?",
+    "Translate 'good morning' into Spanish.",
+    "Who wrote Hamlet?",
+    "Give me a tip for learning Python.",
+    "What does a CPU do?",
+    "Name a famous painting.",
+    "Why is the sky blue?",
+    "How many legs does a spider have?",
+    "Suggest a name for a cat.",
+    "What is photosynthesis?",
+    "Tell me a short joke.",
+    "What is the boiling point of water?",
+    "Describe a rainbow in one sentence.",
+    "What is machine learning?",
+    "Recommend a book for a long flight.",
+    "How do I make a cup of tea?",
 ]
 NEW_TOKENS = 16
 
@@ -237,15 +316,21 @@ def test_default_model_greedy_matches_transformers(capsys, transformers):
     token on 20 chat prompts. (Speed is the benchmarks' business: `specdec bench` times our plain
     loop against HF generate.)"""
     model, tokenizer = load_model()
-    hf = transformers.LlamaForCausalLM.from_pretrained(gguf_checkpoint_dir(default_model_path()),
-                                                       dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        gguf_checkpoint_dir(default_model_path()), dtype=torch.float32
+    ).eval()
     eos = sorted(tokenizer.eos_token_ids)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
 
     def hf_greedy(ids):
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          eos_token_id=eos, pad_token_id=eos[0])
-        return out[0, len(ids):].tolist()
+        out = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+        return out[0, len(ids) :].tolist()
 
     ours = [greedy(model, tokenizer, ids, NEW_TOKENS) for ids in prompts]
     theirs = [hf_greedy(ids) for ids in prompts]
@@ -253,6 +338,8 @@ def test_default_model_greedy_matches_transformers(capsys, transformers):
     mismatches = [(PROMPTS[i], a, b) for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     assert not mismatches, f"{len(mismatches)}/{len(PROMPTS)} prompts differ: {mismatches[:3]}"
     with capsys.disabled():
-        print(f"\n[greedy vs transformers] {len(PROMPTS)}/{len(PROMPTS)} identical, "
-              f"{sum(map(len, ours))} tokens")
+        print(
+            f"\n[greedy vs transformers] {len(PROMPTS)}/{len(PROMPTS)} identical, "
+            f"{sum(map(len, ours))} tokens"
+        )
     assert "Paris" in tokenizer.decode(ours[0])

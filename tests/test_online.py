@@ -4,6 +4,7 @@ A request's greedy output must not depend on when it arrived or who shared its s
 (continuous batching: requests join between steps, finished ones leave), and sampled output
 must be reproducible from its seed, for a fixed tree, whatever the arrival pattern. Tiny
 random models, a few seconds per test."""
+
 import pytest
 
 from specdec.drafters import NgramDrafter
@@ -39,17 +40,23 @@ def make_engine(model, kind, batch_size):
     if kind == "dynamic":
         return Engine(model, head=oracle_head(model), tree="dynamic:3,2,6", **kw)
     if kind == "eagle-random":
-        return Engine(model, head=EagleHead.random(model, version=3, seed=1), tree="dynamic:3,2,6", **kw)
+        return Engine(
+            model, head=EagleHead.random(model, version=3, seed=1), tree="dynamic:3,2,6", **kw
+        )
     if kind == "ngram":
         return Engine(model, drafter=NgramDrafter(), tree="dynamic:3,2,6", **kw)
     if kind == "adaptive":
-        return Engine(model, head=oracle_head(model), tree="adaptive:3,2,6", cost_model=CHEAP_VERIFY, **kw)
+        return Engine(
+            model, head=oracle_head(model), tree="adaptive:3,2,6", cost_model=CHEAP_VERIFY, **kw
+        )
     raise ValueError(kind)
 
 
 def requests(params=None):
-    return [Request(p, params(i) if params else SamplingParams(max_new_tokens=n), id=f"r{i}")
-            for i, (p, n) in enumerate(zip(ALL_PROMPTS, LENGTHS))]
+    return [
+        Request(p, params(i) if params else SamplingParams(max_new_tokens=n), id=f"r{i}")
+        for i, (p, n) in enumerate(zip(ALL_PROMPTS, LENGTHS))
+    ]
 
 
 def serve(eng, reqs, pattern):
@@ -99,10 +106,17 @@ def test_greedy_independent_of_arrival_and_batch(model, contextual_model, kind):
 
 @pytest.mark.parametrize("kind", ["chain", "dynamic", "ngram"])
 def test_sampled_seed_reproducible_regardless_of_arrival(model, kind):
-    params = lambda i: SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_new_tokens=LENGTHS[i])
+    params = lambda i: SamplingParams(
+        temperature=0.9, top_p=0.95, seed=100 + i, max_new_tokens=LENGTHS[i]
+    )
     want = None
-    for batch_size, pattern in ((1, "all"), (3, "all"), (3, "reverse"), (3, "one-per-step"),
-                                (2, "two-then-one-every-3")):
+    for batch_size, pattern in (
+        (1, "all"),
+        (3, "all"),
+        (3, "reverse"),
+        (3, "one-per-step"),
+        (2, "two-then-one-every-3"),
+    ):
         got = serve(make_engine(model, kind, batch_size), requests(params), pattern)
         want = want or got
         assert got == want, (batch_size, pattern)
@@ -172,10 +186,14 @@ def test_failure_while_running_finishes_only_that_handle(model, monkeypatch):
     eng = make_engine(model, "chain", batch_size=3)
     finished = []
     alone = eng.generate([Request(PROMPTS[0], SamplingParams(max_new_tokens=12))])[0][0].token_ids
-    h0 = eng.submit(Request(PROMPTS[0], SamplingParams(max_new_tokens=12)), on_finish=finished.append)
+    h0 = eng.submit(
+        Request(PROMPTS[0], SamplingParams(max_new_tokens=12)), on_finish=finished.append
+    )
     eng.step()
     poison(monkeypatch, model, slot=1, call=1)  # the next step's verify, for the request in slot 1
-    h1 = eng.submit(Request(PROMPTS[1], SamplingParams(max_new_tokens=12)), on_finish=finished.append)
+    h1 = eng.submit(
+        Request(PROMPTS[1], SamplingParams(max_new_tokens=12)), on_finish=finished.append
+    )
     while eng.has_work:
         eng.step()
     assert h1.result.finish_reason == "error" and "NaN" in h1.result.error

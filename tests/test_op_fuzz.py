@@ -2,6 +2,7 @@
 reference, random invalid inputs raise a RuntimeError naming the argument, nothing crashes or
 hangs. A longer run: `python tests/fuzz_ops.py --op OP --backends cpp,triton --cases 5000`.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -17,16 +18,33 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 def run_fuzzer(op, backends, cases, seed, timeout=300):
     env = dict(os.environ, TRITON_INTERPRET="1")
     try:
-        proc = subprocess.run([sys.executable, FUZZER, "--op", op, "--backends", backends,
-                               "--cases", str(cases), "--seed", str(seed)],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                FUZZER,
+                "--op",
+                op,
+                "--backends",
+                backends,
+                "--cases",
+                str(cases),
+                "--seed",
+                str(seed),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
     except subprocess.TimeoutExpired as e:
         last = (e.stdout or b"").decode(errors="replace").strip().splitlines()[-1:]
         pytest.fail(f"fuzzer hung (> {timeout} s); last case started: {last}")
     lines = proc.stdout.strip().splitlines()
     fails = [line for line in lines if line.startswith("FAIL")]
-    assert proc.returncode >= 0, (f"fuzzer crashed (signal {-proc.returncode}) in "
-                                  f"{lines[-1] if lines else '?'}\n{proc.stderr[-2000:]}")
+    assert proc.returncode >= 0, (
+        f"fuzzer crashed (signal {-proc.returncode}) in "
+        f"{lines[-1] if lines else '?'}\n{proc.stderr[-2000:]}"
+    )
     assert proc.returncode == 0 and not fails, "\n".join(fails[:20]) + proc.stderr[-2000:]
     assert lines and lines[-1] == f"done {op}: {cases} cases, 0 failures", lines[-3:]
 
@@ -53,7 +71,8 @@ def test_fuzzer_catches_a_missing_check(tmp_path):
         "ops.torch = types.SimpleNamespace(ops=types.SimpleNamespace(specdec=specdec))\n"
         f"sys.argv = [{FUZZER!r}, '--op', 'build_tree_mask', '--backends', 'reference',"
         " '--cases', '30']\n"
-        f"runpy.run_path({FUZZER!r}, run_name='__main__')\n")
+        f"runpy.run_path({FUZZER!r}, run_name='__main__')\n"
+    )
     proc = subprocess.run([sys.executable, str(shim)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "did not raise" in proc.stdout

@@ -7,6 +7,7 @@ Each case once crashed, wrote out of bounds, silently truncated or returned NaN:
   4. a finite but huge sm_scale overflowed the float32 scores to NaN.
 Cases that could crash the interpreter run in a subprocess.
 """
+
 import subprocess
 import sys
 import textwrap
@@ -28,8 +29,12 @@ def _needs_value_checks(device):
 
 def run_isolated(code, timeout=120):
     """Runs `code` in a fresh interpreter: a crash (signal) is a failed test, not a dead run."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode >= 0, f"killed by signal {-proc.returncode}:\n{proc.stderr[-2000:]}"
     return proc
 
@@ -62,12 +67,21 @@ def test_compact_kv_rejects_block_size_zero(backend_name, layers, device):
 def test_tree_verify_rejects_block_size_zero(device, backend):
     q = torch.randn(1, 2, 2, 8, device=device)
     k = torch.randn(4, 0, 2, 8, device=device)
-    tree_mask, _ = sk.build_tree_mask(torch.tensor([[-1, 0]], dtype=torch.int32),
-                                      torch.tensor([2], dtype=torch.int32))
+    tree_mask, _ = sk.build_tree_mask(
+        torch.tensor([[-1, 0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    )
     i32 = dict(dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match="block_size >= 1"):
-        sk.tree_verify(q, k, k.clone(), torch.zeros(1, 4, **i32), torch.tensor([3], **i32),
-                       torch.tensor([2], **i32), tree_mask.to(device), backend=backend)
+        sk.tree_verify(
+            q,
+            k,
+            k.clone(),
+            torch.zeros(1, 4, **i32),
+            torch.tensor([3], **i32),
+            torch.tensor([2], **i32),
+            tree_mask.to(device),
+            backend=backend,
+        )
 
 
 # ---------------------------------------------------------------- 2. positions near 2^31
@@ -86,11 +100,20 @@ def test_compact_kv_rejects_positions_past_int32(cache_len, device, backend):
     k, v, table = _huge_position_cache(device)
     k0, v0 = k.clone(), v.clone()
     i32 = dict(dtype=torch.int32, device=device)
-    with pytest.raises(RuntimeError, match=r"cache_lens \+ accepted_nodes of request 0 reaches "
-                                           r"position \d+, beyond the largest supported position"):
-        sk.compact_kv(k, v, table, torch.tensor([cache_len], **i32),
-                      torch.tensor([[0, 2, -1]], **i32), torch.tensor([1], **i32),
-                      backend=backend)
+    with pytest.raises(
+        RuntimeError,
+        match=r"cache_lens \+ accepted_nodes of request 0 reaches "
+        r"position \d+, beyond the largest supported position",
+    ):
+        sk.compact_kv(
+            k,
+            v,
+            table,
+            torch.tensor([cache_len], **i32),
+            torch.tensor([[0, 2, -1]], **i32),
+            torch.tensor([1], **i32),
+            backend=backend,
+        )
     assert torch.equal(k, k0) and torch.equal(v, v0)  # nothing was written
 
 
@@ -99,15 +122,21 @@ def test_compact_kv_at_the_largest_position(device, backend):
     k, v, table = _huge_position_cache(device)
     cache_len = INT32_MAX - 2  # path [0, 2]: moves position 2^31 - 1 to 2^31 - 2
     i32 = dict(dtype=torch.int32, device=device)
-    args = (table, torch.tensor([cache_len], **i32), torch.tensor([[0, 2, -1]], **i32),
-            torch.tensor([1], **i32))
+    args = (
+        table,
+        torch.tensor([cache_len], **i32),
+        torch.tensor([[0, 2, -1]], **i32),
+        torch.tensor([1], **i32),
+    )
     want_k, want_v = k.clone(), v.clone()
     reference.compact_kv(want_k, want_v, *args)
     sk.compact_kv(k, v, *args, backend=backend)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
     bs = k.shape[1]
     src, dst = INT32_MAX % bs, (INT32_MAX - 1) % bs  # both in block (2^31 - 1) // bs
-    assert torch.equal(k[int(table[0, INT32_MAX // bs]), dst], k[int(table[0, INT32_MAX // bs]), src])
+    assert torch.equal(
+        k[int(table[0, INT32_MAX // bs]), dst], k[int(table[0, INT32_MAX // bs]), src]
+    )
 
 
 def test_tree_verify_rejects_positions_past_int32(device, backend):
@@ -118,10 +147,21 @@ def test_tree_verify_rejects_positions_past_int32(device, backend):
     tree_mask, _ = sk.build_tree_mask(parents, num_nodes)
     q = torch.randn(1, 3, 1, 1, device=device)
     i32 = dict(dtype=torch.int32, device=device)
-    with pytest.raises(RuntimeError, match=r"cache_lens \+ num_nodes of request 0 reaches "
-                                           r"position 2147483648"):
-        sk.tree_verify(q, k, v, table, torch.tensor([INT32_MAX - 1], **i32),
-                       num_nodes.to(device), tree_mask.to(device), backend=backend)
+    with pytest.raises(
+        RuntimeError,
+        match=r"cache_lens \+ num_nodes of request 0 reaches "
+        r"position 2147483648",
+    ):
+        sk.tree_verify(
+            q,
+            k,
+            v,
+            table,
+            torch.tensor([INT32_MAX - 1], **i32),
+            num_nodes.to(device),
+            tree_mask.to(device),
+            backend=backend,
+        )
 
 
 # ---------------------------------------------------------------- 3. no silent narrowing
@@ -151,8 +191,7 @@ WIDE = [  # (argument, index, value past int32, what the error names)
 
 
 @pytest.mark.parametrize("name, index, value, match", WIDE, ids=[f"{w[0]}{w[1]}" for w in WIDE])
-def test_rejection_sample_checks_int64_before_narrowing(name, index, value, match, device,
-                                                         backend):
+def test_rejection_sample_checks_int64_before_narrowing(name, index, value, match, device, backend):
     _needs_value_checks(device)
     p = _tree_problem(device)
     p[name][index] = value
@@ -160,8 +199,10 @@ def test_rejection_sample_checks_int64_before_narrowing(name, index, value, matc
         sk.tree_rejection_sample(**p, backend=backend)
 
 
-@pytest.mark.parametrize("name, match", [("parents", r"parents\[0, 3\] = 4294967297"),
-                                         ("num_nodes", r"num_nodes\[1\] = 4294967300")])
+@pytest.mark.parametrize(
+    "name, match",
+    [("parents", r"parents\[0, 3\] = 4294967297"), ("num_nodes", r"num_nodes\[1\] = 4294967300")],
+)
 def test_build_tree_mask_checks_int64_before_narrowing(name, match, device, backend):
     _needs_value_checks(device)
     parents = torch.tensor([[-1, 0, 1, 1], [-1, 0, 0, 2]], device=device)
@@ -179,17 +220,25 @@ def _verify_problem(device, T=3):
     parents = torch.tensor([[-1, 0, 1]], device=device)
     num_nodes = torch.tensor([T], device=device)
     tree_mask, _ = sk.build_tree_mask(parents, num_nodes)
-    return {"q": torch.randn(1, T, 2, 8, device=device), "k_cache": k, "v_cache": k.clone(),
-            "block_table": torch.arange(8, device=device).unsqueeze(0),
-            "cache_lens": torch.tensor([5], device=device), "num_nodes": num_nodes,
-            "tree_mask": tree_mask}
+    return {
+        "q": torch.randn(1, T, 2, 8, device=device),
+        "k_cache": k,
+        "v_cache": k.clone(),
+        "block_table": torch.arange(8, device=device).unsqueeze(0),
+        "cache_lens": torch.tensor([5], device=device),
+        "num_nodes": num_nodes,
+        "tree_mask": tree_mask,
+    }
 
 
-@pytest.mark.parametrize("name, index, value, match", [
-    ("cache_lens", (0,), 2**32 + 5, r"cache_lens\[0\] = 4294967301"),
-    ("block_table", (0, 1), 2**32 + 1, r"block_table\[0, 1\] = 4294967297"),
-    ("num_nodes", (0,), 2**32 + 3, r"num_nodes\[0\] = 4294967299"),
-])
+@pytest.mark.parametrize(
+    "name, index, value, match",
+    [
+        ("cache_lens", (0,), 2**32 + 5, r"cache_lens\[0\] = 4294967301"),
+        ("block_table", (0, 1), 2**32 + 1, r"block_table\[0, 1\] = 4294967297"),
+        ("num_nodes", (0,), 2**32 + 3, r"num_nodes\[0\] = 4294967299"),
+    ],
+)
 def test_tree_verify_checks_int64_before_narrowing(name, index, value, match, device, backend):
     _needs_value_checks(device)
     p = _verify_problem(device)
@@ -198,20 +247,26 @@ def test_tree_verify_checks_int64_before_narrowing(name, index, value, match, de
         sk.tree_verify(**p, backend=backend)
 
 
-@pytest.mark.parametrize("name, index, value, match", [
-    ("cache_lens", (0,), 2**32 + 1, r"cache_lens\[0\] = 4294967297"),
-    ("block_table", (0, 0), 2**32, r"block_table\[0, 0\] = 4294967296"),
-    ("accepted_nodes", (0, 1), 2**32 + 2, r"accepted_nodes\[0, 1\] = 4294967298"),
-    ("num_accepted", (0,), 2**32 + 1, r"num_accepted\[0\] = 4294967297"),
-])
+@pytest.mark.parametrize(
+    "name, index, value, match",
+    [
+        ("cache_lens", (0,), 2**32 + 1, r"cache_lens\[0\] = 4294967297"),
+        ("block_table", (0, 0), 2**32, r"block_table\[0, 0\] = 4294967296"),
+        ("accepted_nodes", (0, 1), 2**32 + 2, r"accepted_nodes\[0, 1\] = 4294967298"),
+        ("num_accepted", (0,), 2**32 + 1, r"num_accepted\[0\] = 4294967297"),
+    ],
+)
 def test_compact_kv_checks_int64_before_narrowing(name, index, value, match, device, backend):
     _needs_value_checks(device)
     k = torch.randn(2, 8, 4, 2, 8, device=device)
-    p = {"k_cache": k, "v_cache": k.clone(),
-         "block_table": torch.arange(8, device=device).unsqueeze(0),
-         "cache_lens": torch.tensor([3], device=device),
-         "accepted_nodes": torch.tensor([[0, 2, -1]], device=device),
-         "num_accepted": torch.tensor([1], device=device)}
+    p = {
+        "k_cache": k,
+        "v_cache": k.clone(),
+        "block_table": torch.arange(8, device=device).unsqueeze(0),
+        "cache_lens": torch.tensor([3], device=device),
+        "accepted_nodes": torch.tensor([[0, 2, -1]], device=device),
+        "num_accepted": torch.tensor([1], device=device),
+    }
     p[name][index] = value
     with pytest.raises(RuntimeError, match=match):
         sk.compact_kv(**p, backend=backend)
@@ -228,8 +283,9 @@ def test_narrowing_saturates():
 
 
 # ---------------------------------------------------------------- 4. sm_scale
-@pytest.mark.parametrize("sm_scale", [1e39, 1e300, -1e39, 65536.0 * 1.0001, float("inf"),
-                                      float("nan")])
+@pytest.mark.parametrize(
+    "sm_scale", [1e39, 1e300, -1e39, 65536.0 * 1.0001, float("inf"), float("nan")]
+)
 def test_tree_verify_rejects_sm_scale_out_of_range(sm_scale, device, backend):
     p = _verify_problem(device)
     with pytest.raises(RuntimeError, match=r"sm_scale must be finite with \|sm_scale\| <= 65536"):
@@ -244,8 +300,20 @@ def test_tree_verify_extreme_sm_scale_matches_reference(sm_scale, device, backen
     if abs(sm_scale) > 1:
         p["q"] = p["q"] / abs(sm_scale)
     got = sk.tree_verify(**p, sm_scale=sm_scale, backend=backend)
-    want = reference.tree_verify(*(p[k].double() if k in ("q", "k_cache", "v_cache") else p[k]
-                                   for k in ("q", "k_cache", "v_cache", "block_table",
-                                             "cache_lens", "num_nodes", "tree_mask")), sm_scale)
+    want = reference.tree_verify(
+        *(
+            p[k].double() if k in ("q", "k_cache", "v_cache") else p[k]
+            for k in (
+                "q",
+                "k_cache",
+                "v_cache",
+                "block_table",
+                "cache_lens",
+                "num_nodes",
+                "tree_mask",
+            )
+        ),
+        sm_scale,
+    )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=1e-4, atol=1e-4)

@@ -20,12 +20,23 @@ TOP_PS = (1.0, 0.99999, 0.95, 0.7, 0.3, 0.05)
 def _draft_dist(logits, noise):
     """A draft distribution [..., V] correlated with the target's, so that walks go deep."""
     mix = torch.softmax(logits.float() + noise * torch.randn_like(logits.float()), -1)
-    dirichlet = torch.distributions.Dirichlet(torch.full(logits.shape[-1:], 0.3)).sample(logits.shape[:-1])
+    dirichlet = torch.distributions.Dirichlet(torch.full(logits.shape[-1:], 0.3)).sample(
+        logits.shape[:-1]
+    )
     return 0.5 * mix + 0.5 * dirichlet
 
 
-def random_problem(B, T, V, kind, with_dp, logit_dtype=torch.float32, dp_dtype=torch.float32,
-                   temperatures=TEMPERATURES, full=False):
+def random_problem(
+    B,
+    T,
+    V,
+    kind,
+    with_dp,
+    logit_dtype=torch.float32,
+    dp_dtype=torch.float32,
+    temperatures=TEMPERATURES,
+    full=False,
+):
     """Inputs of one op call: a mixed batch of greedy / sampled requests with random filters.
 
     Logits have a per-request scale from 0.1 (flat) to 20 (peaked). Children of node u carry
@@ -70,9 +81,11 @@ def assert_same(got, want, args):
     for name, g, w in zip(names, got, want):
         assert g.dtype == torch.int32 and g.shape == w.shape, name
         bad = (g != w).reshape(g.shape[0], -1).any(-1).nonzero().flatten().tolist()
-        assert not bad, (f"{name} differs for requests {bad}: got {g[bad].tolist()}, "
-                         f"want {w[bad].tolist()}; temperature {args['temperature'][bad].tolist()}, "
-                         f"top_k {args['top_k'][bad].tolist()}, top_p {args['top_p'][bad].tolist()}")
+        assert not bad, (
+            f"{name} differs for requests {bad}: got {g[bad].tolist()}, "
+            f"want {w[bad].tolist()}; temperature {args['temperature'][bad].tolist()}, "
+            f"top_k {args['top_k'][bad].tolist()}, top_p {args['top_p'][bad].tolist()}"
+        )
 
 
 def argmax_walk(logits, draft_tokens, parents, num_nodes):
@@ -88,8 +101,11 @@ def argmax_walk(logits, draft_tokens, parents, num_nodes):
             row = logits[b, u].float()
             a = int((row == row.max()).nonzero()[0])  # lowest id among the maxima
             toks[b, k] = a
-            kids = [c for c in range(u + 1, int(num_nodes[b]))
-                    if int(parents[b, c]) == u and int(draft_tokens[b, c]) == a]
+            kids = [
+                c
+                for c in range(u + 1, int(num_nodes[b]))
+                if int(parents[b, c]) == u and int(draft_tokens[b, c]) == a
+            ]
             if not kids:
                 break
             u, k = kids[0], k + 1
@@ -111,8 +127,15 @@ def test_matches_reference(kind, with_dp, device, backend):
 @pytest.mark.parametrize("logit_dtype", [torch.float16, torch.bfloat16])
 def test_reduced_precision_inputs(logit_dtype, dp_dtype, device, backend):
     """Half logits (many ties) and draft_probs of any float dtype, read as they are."""
-    args = random_problem(16, 10, 130, "random", dp_dtype is not None, logit_dtype=logit_dtype,
-                          dp_dtype=dp_dtype or torch.float32)
+    args = random_problem(
+        16,
+        10,
+        130,
+        "random",
+        dp_dtype is not None,
+        logit_dtype=logit_dtype,
+        dp_dtype=dp_dtype or torch.float32,
+    )
     assert_same(run(args, device, backend), run_reference(args), args)
 
 
@@ -139,7 +162,9 @@ def test_logit_scales_and_masked_tokens(scale, device, backend):
     subnormal range, exp(-inf) = 0), so any error above ~1 ulp would show as a different walk.
     """
     for V in (37, 1000):  # shorter than and several times the vector width
-        args = random_problem(32, 10, V, "random", bool(torch.rand(()) < 0.5), temperatures=(0.5, 1.0, 2.0))
+        args = random_problem(
+            32, 10, V, "random", bool(torch.rand(()) < 0.5), temperatures=(0.5, 1.0, 2.0)
+        )
         logits = torch.randn(32, 10, V) * scale
         masked = (torch.rand(32, 1, V) < 0.3) & (torch.arange(32) % 2 == 0)[:, None, None]
         masked = masked & (logits != logits.amax(-1, keepdim=True))  # keep each row's max finite
@@ -151,8 +176,11 @@ ISA_LEVEL = {"DEFAULT": 0, "NO AVX": 0, "AVX2": 1, "AVX512": 2, "ZVECTOR": 0, "V
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
-@pytest.mark.parametrize("with_dp", [None, torch.float32, torch.float64, torch.bfloat16],
-                         ids=["point_mass", "dp_float32", "dp_float64", "dp_bfloat16"])
+@pytest.mark.parametrize(
+    "with_dp",
+    [None, torch.float32, torch.float64, torch.bfloat16],
+    ids=["point_mass", "dp_float32", "dp_float64", "dp_bfloat16"],
+)
 def test_cpu_isa_builds(isa, with_dp, device, monkeypatch):
     """The C++ CPU kernel is compiled for AVX-512, AVX2 and the baseline ISA (vector widths
     8, 4, 2 doubles) and runs the widest the CPU has; SPECDEC_CPU_ISA caps it so the narrower
@@ -160,11 +188,16 @@ def test_cpu_isa_builds(isa, with_dp, device, monkeypatch):
     dtypes a scalar one; odd V leaves a partial vector at the end of every loop."""
     if device.type != "cpu":
         pytest.skip("CPU kernel builds")
-    if ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0) < {"baseline": 0, "avx2": 1, "avx512": 2}[isa]:
+    if (
+        ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0)
+        < {"baseline": 0, "avx2": 1, "avx512": 2}[isa]
+    ):
         pytest.skip(f"this CPU cannot run the {isa} build")
     monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
     for V in (131, 1027):
-        args = random_problem(24, 10, V, "bushy", with_dp is not None, dp_dtype=with_dp or torch.float32)
+        args = random_problem(
+            24, 10, V, "bushy", with_dp is not None, dp_dtype=with_dp or torch.float32
+        )
         assert_same(run(args, device, "cpp"), run_reference(args), args)
 
 
@@ -194,11 +227,17 @@ def test_greedy_ties_go_to_lowest_id(dtype, device, backend):
     logits = torch.randn(1, 3, V).clamp(-3, 3).to(dtype)
     logits[0, 0, [9, 4]] = 5.0  # root: argmax tie between 4 and 9 -> 4
     logits[0, 2, [11, 2, 7]] = 5.0  # node 2: tie between 2, 7 and 11 -> 2
-    args = dict(target_logits=logits, draft_tokens=torch.tensor([[0, 9, 4]], dtype=torch.int32),
-                parents=torch.tensor([[-1, 0, 0]], dtype=torch.int32),
-                num_nodes=torch.tensor([3], dtype=torch.int32), draft_probs=None,
-                temperature=torch.zeros(1), top_k=torch.zeros(1, dtype=torch.int32),
-                top_p=torch.ones(1), uniforms=torch.rand(1, 4))
+    args = dict(
+        target_logits=logits,
+        draft_tokens=torch.tensor([[0, 9, 4]], dtype=torch.int32),
+        parents=torch.tensor([[-1, 0, 0]], dtype=torch.int32),
+        num_nodes=torch.tensor([3], dtype=torch.int32),
+        draft_probs=None,
+        temperature=torch.zeros(1),
+        top_k=torch.zeros(1, dtype=torch.int32),
+        top_p=torch.ones(1),
+        uniforms=torch.rand(1, 4),
+    )
     acc, num, toks = run(args, device, backend)
     assert acc.tolist() == [[0, 2, -1]] and num.tolist() == [1] and toks.tolist() == [[4, 2, -1]]
 
@@ -211,13 +250,13 @@ def test_outputs_are_consistent_root_paths(device, backend):
     B, T, V = 32, 16, 100
     args = random_problem(B, T, V, "random", True)
     for b in range(B):
-        args["target_logits"][b, int(args["num_nodes"][b]):] = float("nan")
+        args["target_logits"][b, int(args["num_nodes"][b]) :] = float("nan")
     acc, num, toks = run(args, device, backend)
     assert (num > 0).any() and (num == 0).any()
     for b in range(B):
         k = int(num[b])
         path = acc[b, : k + 1].tolist()
-        assert path[0] == 0 and (acc[b, k + 1:] == -1).all() and (toks[b, k + 1:] == -1).all()
+        assert path[0] == 0 and (acc[b, k + 1 :] == -1).all() and (toks[b, k + 1 :] == -1).all()
         for parent, child in zip(path, path[1:]):
             assert int(args["parents"][b, child]) == parent and child < int(args["num_nodes"][b])
         assert toks[b, :k].tolist() == [int(args["draft_tokens"][b, c]) for c in path[1:]]
@@ -230,8 +269,12 @@ def test_single_node_samples_the_processed_root(device, backend):
     acc, num, toks = run(args, device, backend)
     assert (num == 0).all() and (acc[:, 1:] == -1).all() and (toks[:, 1:] == -1).all()
     for b in range(64):
-        p = reference.process_logits(args["target_logits"][b, 0].double(), args["temperature"][b],
-                                     args["top_k"][b], args["top_p"][b])
+        p = reference.process_logits(
+            args["target_logits"][b, 0].double(),
+            args["temperature"][b],
+            args["top_k"][b],
+            args["top_p"][b],
+        )
         cdf = torch.cumsum(p, 0)
         want = int((cdf > float(args["uniforms"][b, 4]) * cdf[-1]).nonzero()[0])
         assert int(toks[b, 0]) == want
@@ -241,6 +284,7 @@ def _set(name, index, value):
     def edit(a):
         a[name] = a[name].clone()
         a[name][index] = value
+
     return edit
 
 
@@ -248,6 +292,7 @@ def _replace(names, fn):
     def edit(a):
         for name in names.split(","):
             a[name] = fn(a[name])
+
     return edit
 
 
@@ -257,8 +302,16 @@ VALUE_CASES = [
     ("too_many_nodes", _set("num_nodes", 0, 6), r"num_nodes\[0\] = 6 is out of range"),
     ("not_topological", _set("parents", (1, 2), 3), r"parents\[1, 2\] = 3 must satisfy"),
     ("root_has_parent", _set("parents", (0, 0), 0), r"parents\[0, 0\] must be -1"),
-    ("token_too_large", _set("draft_tokens", (1, 3), 32), r"draft_tokens\[1, 3\] = 32 is out of range"),
-    ("token_negative", _set("draft_tokens", (0, 1), -1), r"draft_tokens\[0, 1\] = -1 is out of range"),
+    (
+        "token_too_large",
+        _set("draft_tokens", (1, 3), 32),
+        r"draft_tokens\[1, 3\] = 32 is out of range",
+    ),
+    (
+        "token_negative",
+        _set("draft_tokens", (0, 1), -1),
+        r"draft_tokens\[0, 1\] = -1 is out of range",
+    ),
     ("negative_temperature", _set("temperature", 1, -0.5), r"temperature\[1\]"),
     ("nan_temperature", _set("temperature", 0, float("nan")), r"temperature\[0\]"),
     ("negative_top_k", _set("top_k", 0, -1), r"top_k\[0\] = -1"),
@@ -267,26 +320,53 @@ VALUE_CASES = [
     ("uniform_one", _set("uniforms", (1, 2), 1.0), r"uniforms\[1, 2\]"),
     ("uniform_negative", _set("uniforms", (0, 5), -0.1), r"uniforms\[0, 5\]"),
     ("nan_logits_greedy", _set("target_logits", (1, 0, 7), float("nan")), r"target_logits\[1, 0\]"),
-    ("nan_logits_sampled", _set("target_logits", (0, 0, 3), float("nan")), r"target_logits\[0, 0\]"),
+    (
+        "nan_logits_sampled",
+        _set("target_logits", (0, 0, 3), float("nan")),
+        r"target_logits\[0, 0\]",
+    ),
     ("inf_logits", _set("target_logits", (0, 0, 3), float("inf")), r"target_logits\[0, 0\]"),
     ("all_neg_inf_logits", _set("target_logits", (1, 0), float("-inf")), r"target_logits\[1, 0\]"),
 ]
 
 SHAPE_CASES = [
-    ("logits_dtype", _replace("target_logits", lambda t: t.double()), r"target_logits must be float32"),
-    ("logits_rank", _replace("target_logits", lambda t: t[0]), r"target_logits must be \[B, T, V\]"),
-    ("tokens_dtype", _replace("draft_tokens", lambda t: t.float()), r"draft_tokens must be an int32"),
+    (
+        "logits_dtype",
+        _replace("target_logits", lambda t: t.double()),
+        r"target_logits must be float32",
+    ),
+    (
+        "logits_rank",
+        _replace("target_logits", lambda t: t[0]),
+        r"target_logits must be \[B, T, V\]",
+    ),
+    (
+        "tokens_dtype",
+        _replace("draft_tokens", lambda t: t.float()),
+        r"draft_tokens must be an int32",
+    ),
     ("tokens_T", _replace("draft_tokens", lambda t: t[:, :4]), r"draft_tokens.size\(1\)"),
-    ("parents_B", _replace("parents,num_nodes", lambda t: t[:1]),
-     r"parents.size\(0\) must equal the batch size B of target_logits"),
+    (
+        "parents_B",
+        _replace("parents,num_nodes", lambda t: t[:1]),
+        r"parents.size\(0\) must equal the batch size B of target_logits",
+    ),
     ("parents_rank", _replace("parents", lambda t: t[0]), r"parents must have 2 dimensions"),
     ("num_nodes_B", _replace("num_nodes", lambda t: t[:1]), r"num_nodes.size\(0\)"),
     ("draft_probs_V", _replace("draft_probs", lambda t: t[..., :31]), r"draft_probs shape"),
-    ("draft_probs_dtype", _replace("draft_probs", lambda t: t.int()), r"draft_probs must be a floating"),
+    (
+        "draft_probs_dtype",
+        _replace("draft_probs", lambda t: t.int()),
+        r"draft_probs must be a floating",
+    ),
     ("temperature_B", _replace("temperature", lambda t: t[:1]), r"temperature.size\(0\)"),
     ("top_k_dtype", _replace("top_k", lambda t: t.float()), r"top_k must be an int32"),
     ("top_p_rank", _replace("top_p", lambda t: t[:, None]), r"top_p must have 1 dimensions"),
-    ("uniforms_T", _replace("uniforms", lambda t: t[:, :5]), r"uniforms.size\(1\) must equal T \+ 1"),
+    (
+        "uniforms_T",
+        _replace("uniforms", lambda t: t[:, :5]),
+        r"uniforms.size\(1\) must equal T \+ 1",
+    ),
 ]
 
 
@@ -319,11 +399,14 @@ def test_bad_shapes_and_dtypes(case, edit, match, device, backend):
 
 def test_opcheck(device):
     args = random_problem(6, 7, 40, "random", True)
-    torch.library.opcheck(torch.ops.specdec.tree_rejection_sample,
-                          tuple(v.to(device) for v in args.values()))
+    torch.library.opcheck(
+        torch.ops.specdec.tree_rejection_sample, tuple(v.to(device) for v in args.values())
+    )
     args["draft_probs"] = None
-    torch.library.opcheck(torch.ops.specdec.tree_rejection_sample,
-                          tuple(v.to(device) if v is not None else None for v in args.values()))
+    torch.library.opcheck(
+        torch.ops.specdec.tree_rejection_sample,
+        tuple(v.to(device) if v is not None else None for v in args.values()),
+    )
 
 
 def test_torch_compile_fullgraph(device, backend):

@@ -11,6 +11,7 @@ chi-square goodness of fit (fixed seeds, p > 1e-3):
 A Python version of the rule with a deliberate mistake must fail the same test (p < 1e-6),
 while the same Python code with the correct rule passes it and agrees with the kernel.
 """
+
 import itertools
 
 import pytest
@@ -24,8 +25,12 @@ N = 100_000  # independent copies per case
 V = 12
 SHAPES = {"chain": [-1, 0, 1, 2], "tree": [-1, 0, 0, 0, 1, 1, 2]}  # parents
 FILTERS = [(0, 1.0), (4, 1.0), (0, 0.9), (6, 0.8)]  # (top_k, top_p)
-CASES = [(shape, with_dp, temp, *FILTERS[i % len(FILTERS)])
-         for i, (shape, with_dp, temp) in enumerate(itertools.product(SHAPES, (False, True), (0.5, 1.0, 2.0)))]
+CASES = [
+    (shape, with_dp, temp, *FILTERS[i % len(FILTERS)])
+    for i, (shape, with_dp, temp) in enumerate(
+        itertools.product(SHAPES, (False, True), (0.5, 1.0, 2.0))
+    )
+]
 P_MIN_EXACT, P_MAX_WRONG = 1e-3, 1e-6
 
 
@@ -81,9 +86,11 @@ def chi2_pvalue(samples, probs):
 
 def run_case(case, device, backend):
     if backend == "triton" and device.type == "cpu":
-        pytest.skip("the Triton interpreter takes minutes per 1e5-sample case; the Triton kernel's "
-                    "exact agreement with the reference runs in test_rejection.py, and these "
-                    "statistics run with --device cuda")
+        pytest.skip(
+            "the Triton interpreter takes minutes per 1e5-sample case; the Triton kernel's "
+            "exact agreement with the reference runs in test_rejection.py, and these "
+            "statistics run with --device cuda"
+        )
     args, logits, q, root_children = make_problem(*case, seed=CASES.index(case))
     moved = {k: (v.to(device) if v is not None else None) for k, v in args.items()}
     acc, num, toks = (t.cpu() for t in sk.tree_rejection_sample(**moved, backend=backend))
@@ -101,7 +108,9 @@ def test_emitted_tokens_follow_target(case, device, backend):
     for c in root_children:
         accepted = acc[:, 1] == c
         if accepted.sum() >= 2000:
-            pvalues[f"second | node {c}"] = chi2_pvalue(toks[accepted, 1], processed(logits[c], *params))
+            pvalues[f"second | node {c}"] = chi2_pvalue(
+                toks[accepted, 1], processed(logits[c], *params)
+            )
     assert len(pvalues) >= 2, f"too few acceptances to test the second token ({num.float().mean()})"
     assert min(pvalues.values()) > P_MIN_EXACT, pvalues
 
@@ -141,11 +150,17 @@ def python_first_token(p, q, tokens, u, u_bonus, rule):
     return out
 
 
-WRONG = [("no_residual", CASES[1]), ("no_residual", CASES[10]), ("draft_argmax", CASES[9]),
-         ("draft_argmax", CASES[4])]
+WRONG = [
+    ("no_residual", CASES[1]),
+    ("no_residual", CASES[10]),
+    ("draft_argmax", CASES[9]),
+    ("draft_argmax", CASES[4]),
+]
 
 
-@pytest.mark.parametrize("rule, case", WRONG, ids=[f"{r}-" + "-".join(map(str, c)) for r, c in WRONG])
+@pytest.mark.parametrize(
+    "rule, case", WRONG, ids=[f"{r}-" + "-".join(map(str, c)) for r, c in WRONG]
+)
 def test_wrong_rule_fails_the_check(rule, case, device, backend):
     args, logits, q, root_children, _, _, toks = run_case(case, device, backend)
     p = processed(logits[0], *case[2:])

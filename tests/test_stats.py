@@ -1,4 +1,5 @@
 """Latency percentiles of the aggregate Stats (issue 15)."""
+
 import re
 
 import numpy as np
@@ -7,10 +8,17 @@ import pytest
 from specdec.stats import PHASES, Stats, percentiles
 
 
-@pytest.mark.parametrize("values", [
-    [1.0], [3.0, 1.0], list(range(10)), [0.5, 0.1, 0.9, 0.3, 0.3, 7.0, 2.5],
-    list(np.random.default_rng(0).exponential(size=101)), list(np.random.default_rng(1).normal(size=37)),
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0],
+        [3.0, 1.0],
+        list(range(10)),
+        [0.5, 0.1, 0.9, 0.3, 0.3, 7.0, 2.5],
+        list(np.random.default_rng(0).exponential(size=101)),
+        list(np.random.default_rng(1).normal(size=37)),
+    ],
+)
 def test_percentiles_match_numpy(values):
     got = percentiles(values)
     assert list(got) == ["p50", "p95", "p99"]
@@ -34,6 +42,8 @@ def test_aggregate_latency_percentiles():
     tpot = [s.tpot_s for s in per_request[1:]]  # one-token requests have no TPOT
     e2e = [s.elapsed_s for s in per_request]
     for key, values in (("ttft_s", ttft), ("tpot_s", tpot), ("e2e_s", e2e)):
-        assert agg.latency[key] == pytest.approx({f"p{q}": np.percentile(values, q) for q in (50, 95, 99)})
+        assert agg.latency[key] == pytest.approx(
+            {f"p{q}": np.percentile(values, q) for q in (50, 95, 99)}
+        )
     assert agg.to_dict()["latency"]["e2e_s"]["p99"] == pytest.approx(np.percentile(e2e, 99))
     assert re.search(r"TTFT percentiles +P50 [\d.]+  P95 [\d.]+  P99 [\d.]+ ms", agg.summary())

@@ -1,4 +1,5 @@
 """specdec.apps.train: self-distillation shards, the differentiable head pass, training, resume, loading."""
+
 import json
 import os
 import types
@@ -7,8 +8,14 @@ import pytest
 import torch
 
 import specdec_kernels.ops as ops
-from specdec.apps.train import (generate_batch, generate_shards, head_train_forward, load_shards,
-                                make_batch, train_head)
+from specdec.apps.train import (
+    generate_batch,
+    generate_shards,
+    head_train_forward,
+    load_shards,
+    make_batch,
+    train_head,
+)
 from specdec.config import ModelArgs
 from specdec.eagle import EagleHead, load_head
 from specdec.errors import InvalidRequestError
@@ -23,8 +30,17 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @pytest.fixture(scope="module")
 def target():
-    args = ModelArgs(vocab_size=48, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
-                     tie_word_embeddings=False, max_position_embeddings=128)
+    args = ModelArgs(
+        vocab_size=48,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = Transformer(args).eval()
     with torch.no_grad():
@@ -37,8 +53,15 @@ def target():
 @pytest.fixture(scope="module")
 def data_dir(target, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("shards"))
-    generate_shards(target, types.SimpleNamespace(eos_token_ids={EOS}), PROMPTS, path, batch_size=3,
-                    max_new_tokens=12, progress=False)
+    generate_shards(
+        target,
+        types.SimpleNamespace(eos_token_ids={EOS}),
+        PROMPTS,
+        path,
+        batch_size=3,
+        max_new_tokens=12,
+        progress=False,
+    )
     return path
 
 
@@ -70,16 +93,39 @@ def test_train_forward_matches_cached_head(target):
         with torch.no_grad():
             n = torch.tensor([t], dtype=torch.int32)
             chain_mask, chain_depth = ops.build_tree_mask(parents[:, :t].contiguous(), n)
-            head(tokens[:, :t], features[:, :t], cache, slots, cache.cache_lens[slots], 0, n, chain_mask, chain_depth)
+            head(
+                tokens[:, :t],
+                features[:, :t],
+                cache,
+                slots,
+                cache.cache_lens[slots],
+                0,
+                n,
+                chain_mask,
+                chain_depth,
+            )
             cache.cache_lens[0] = t
-            draft = head(tokens[:, t:t + 1], ours[:, t - 1:t], cache, slots, cache.cache_lens[slots], 0, one,
-                         node_mask, torch.tensor([[t]]))
+            draft = head(
+                tokens[:, t : t + 1],
+                ours[:, t - 1 : t],
+                cache,
+                slots,
+                cache.cache_lens[slots],
+                0,
+                one,
+                node_mask,
+                torch.tensor([[t]]),
+            )
         torch.testing.assert_close(second[:, t], draft[:, 0], rtol=1e-5, atol=1e-5)
 
 
 def test_shards_hold_the_targets_greedy_answers_and_features(target, data_dir):
     seqs = load_shards(data_dir)
-    assert sorted(os.listdir(data_dir)) == ["manifest.json", "shard_00000.safetensors", "shard_00001.safetensors"]
+    assert sorted(os.listdir(data_dir)) == [
+        "manifest.json",
+        "shard_00000.safetensors",
+        "shard_00001.safetensors",
+    ]
     assert [p for _, _, p in seqs] == [len(p) for p in PROMPTS]
     for (tokens, hidden, p), prompt in zip(seqs, PROMPTS):
         assert tokens[:p].tolist() == prompt and len(tokens) > p and hidden.dtype == torch.bfloat16
@@ -87,14 +133,18 @@ def test_shards_hold_the_targets_greedy_answers_and_features(target, data_dir):
         cache = target.new_cache(1, 64)
         out = target.prefill([tokens], cache, torch.zeros(1, dtype=torch.long))
         # greedy: each generated token is the argmax after its prefix
-        assert torch.equal(target.lm_head(out.hidden[0][p - 1:-1]).argmax(-1), tokens[p:])
-        torch.testing.assert_close(hidden.float(), out.hidden[0], rtol=1e-2, atol=2e-2)  # bf16 storage
+        assert torch.equal(target.lm_head(out.hidden[0][p - 1 : -1]).argmax(-1), tokens[p:])
+        torch.testing.assert_close(
+            hidden.float(), out.hidden[0], rtol=1e-2, atol=2e-2
+        )  # bf16 storage
 
 
 def test_shards_resume_and_refuse_other_settings(target, data_dir, tmp_path):
     tok = types.SimpleNamespace(eos_token_ids={EOS})
     path = str(tmp_path)
-    generate_shards(target, tok, PROMPTS, path, batch_size=3, max_new_tokens=12, max_shards=1, progress=False)
+    generate_shards(
+        target, tok, PROMPTS, path, batch_size=3, max_new_tokens=12, max_shards=1, progress=False
+    )
     assert not os.path.exists(os.path.join(path, "shard_00001.safetensors"))
     generate_shards(target, tok, PROMPTS, path, batch_size=3, max_new_tokens=12, progress=False)
     for a, b in zip(load_shards(path), load_shards(data_dir)):
@@ -111,13 +161,22 @@ def test_batch_alignment(data_dir):
     tokens, hidden, p = seqs[0]
     n = len(tokens) - 2
     assert torch.equal(tok_in[0, :n], tokens[1:-1]) and torch.equal(labels[0, :n], tokens[2:])
-    assert torch.equal(feat_in[0, 1], hidden[1].float()) and torch.equal(feat_out[0, 1], hidden[2].float())
+    assert torch.equal(feat_in[0, 1], hidden[1].float()) and torch.equal(
+        feat_out[0, 1], hidden[2].float()
+    )
     assert mask[0].nonzero().flatten().tolist() == list(range(p - 2, n))
 
 
 def _train(target, data_dir, out, **kw):
-    kw = {"epochs": 8, "batch_size": 2, "lr": 3e-3, "checkpoint_every": 5, "save_dtype": torch.float32,
-          "progress": False, **kw}
+    kw = {
+        "epochs": 8,
+        "batch_size": 2,
+        "lr": 3e-3,
+        "checkpoint_every": 5,
+        "save_dtype": torch.float32,
+        "progress": False,
+        **kw,
+    }
     return train_head(target, load_shards(data_dir), out, **kw)
 
 
@@ -149,12 +208,23 @@ def test_training_decreases_loss_resumes_and_loads(target, data_dir, tmp_path):
 
 def test_training_time_test_and_bf16_output(target, data_dir, tmp_path):
     out = str(tmp_path / "bf16")
-    log = _train(target, data_dir, out, epochs=1, save_dtype=torch.bfloat16, val_seqs=load_shards(data_dir)[:2],
-                 ttt_steps=2)
+    log = _train(
+        target,
+        data_dir,
+        out,
+        epochs=1,
+        save_dtype=torch.bfloat16,
+        val_seqs=load_shards(data_dir)[:2],
+        ttt_steps=2,
+    )
     assert all(len(r["acc_by_depth"]) == 2 for r in log[:-1])  # training-time test: depths 1 and 2
     with open(os.path.join(out, "training.json")) as f:
         held_out = json.load(f)["held_out"]
-    assert held_out == [log[-1]] and held_out[0]["epoch"] == 1.0 and 0 <= held_out[0]["val"]["top1"] <= 1
+    assert (
+        held_out == [log[-1]]
+        and held_out[0]["epoch"] == 1.0
+        and 0 <= held_out[0]["val"]["top1"] <= 1
+    )
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(out, "model.safetensors"))
@@ -162,7 +232,9 @@ def test_training_time_test_and_bf16_output(target, data_dir, tmp_path):
     assert load_head(out, target).fc.weight.dtype == torch.float32  # loaded in the target's dtype
 
 
-def test_draft_vocabulary_is_the_most_frequent_tokens_and_drafts_only_them(target, data_dir, tmp_path):
+def test_draft_vocabulary_is_the_most_frequent_tokens_and_drafts_only_them(
+    target, data_dir, tmp_path
+):
     out = str(tmp_path / "reduced")
     seqs = load_shards(data_dir)
     _train(target, data_dir, out, epochs=1, draft_vocab=6)
@@ -190,8 +262,10 @@ def test_shipped_head_drafts_for_the_default_model():
     assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 25 * 2**20
     model, tok = load_model()
     head = load_head(path, model)
-    ids = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a robot who learns to paint."}])
-    (tokens, hidden), = generate_batch(model, [ids], 24, tok.eos_token_ids)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+    )
+    ((tokens, hidden),) = generate_batch(model, [ids], 24, tok.eos_token_ids)
     tok_in, feat_in, _, labels, mask = make_batch([(tokens, hidden, len(ids))])
     with torch.no_grad():
         pred = head.logits(head_train_forward(head, tok_in, feat_in)[0]).argmax(-1)

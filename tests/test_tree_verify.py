@@ -16,8 +16,20 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # atol = rtol
 
 
-def make_case(B, T, Hq, Hkv, D, block_size, dtype, device, kind="random", cache_lens=None,
-              max_context=40, full=False):
+def make_case(
+    B,
+    T,
+    Hq,
+    Hkv,
+    D,
+    block_size,
+    dtype,
+    device,
+    kind="random",
+    cache_lens=None,
+    max_context=40,
+    full=False,
+):
     """Random inputs of tree_verify as a dict of its arguments (sm_scale random too).
 
     Each request owns one spare block past its last position, block-table entries it
@@ -33,7 +45,7 @@ def make_case(B, T, Hq, Hkv, D, block_size, dtype, device, kind="random", cache_
     num_blocks = B * blocks_per_seq + 2
     block_table = random_block_table(B, blocks_per_seq, num_blocks)
     for b in range(B):
-        block_table[b, int(used[b]) + 1:] = -1
+        block_table[b, int(used[b]) + 1 :] = -1
     return dict(
         q=torch.randn(B, T, Hq, D).to(dtype).to(device),
         k_cache=torch.randn(num_blocks, block_size, Hkv, D).to(dtype).to(device),
@@ -42,16 +54,23 @@ def make_case(B, T, Hq, Hkv, D, block_size, dtype, device, kind="random", cache_
         cache_lens=cache_lens.to(device),
         num_nodes=num_nodes.to(device),
         tree_mask=tree_mask.to(device),
-        sm_scale=float(torch.empty(1).uniform_(0.3, 1.5)) * D ** -0.5,
+        sm_scale=float(torch.empty(1).uniform_(0.3, 1.5)) * D**-0.5,
     )
 
 
 def reference_out(case):
     """float64 reference on the same rounded inputs."""
     c = {k: v.cpu() if torch.is_tensor(v) else v for k, v in case.items()}
-    return reference.tree_verify(c["q"].double(), c["k_cache"].double(), c["v_cache"].double(),
-                                 c["block_table"], c["cache_lens"], c["num_nodes"], c["tree_mask"],
-                                 c["sm_scale"])
+    return reference.tree_verify(
+        c["q"].double(),
+        c["k_cache"].double(),
+        c["v_cache"].double(),
+        c["block_table"],
+        c["cache_lens"],
+        c["num_nodes"],
+        c["tree_mask"],
+        c["sm_scale"],
+    )
 
 
 def check(case, backend):
@@ -73,8 +92,9 @@ def test_tree_kinds(kind, device, backend):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 4), (8, 2), (8, 1)],
-                         ids=["mha", "gqa2", "gqa4", "mqa"])
+@pytest.mark.parametrize(
+    "Hq, Hkv", [(4, 4), (8, 4), (8, 2), (8, 1)], ids=["mha", "gqa2", "gqa4", "mqa"]
+)
 @pytest.mark.parametrize("D", [40, 64, 128])
 def test_dtypes_heads_dims(dtype, Hq, Hkv, D, device, backend):
     block_size = int(torch.tensor([1, 4, 16])[torch.randint(0, 3, ())])
@@ -91,8 +111,10 @@ def test_block_sizes_and_empty_prefix(block_size, context, device, backend):
 def test_long_context_uneven_lengths(device, backend):
     """Few (request, KV head) pairs over long contexts: the kernel may split the positions
     across threads; one request far shorter than the other (empty splits)."""
-    check(make_case(2, 24, 4, 1, 64, 16, torch.float32, device, cache_lens=[1100, 3], full=True),
-          backend)
+    check(
+        make_case(2, 24, 4, 1, 64, 16, torch.float32, device, cache_lens=[1100, 3], full=True),
+        backend,
+    )
 
 
 def test_bf16_long_context(device, backend):
@@ -171,7 +193,7 @@ def test_arbitrary_masks(device, backend):
     sees no key at all (empty prefix, no bit) is zero."""
     B, T = 3, 70
     case = make_case(B, T, 4, 2, 64, 4, torch.float32, device, cache_lens=[0, 0, 13])
-    mask = torch.randint(-2**63, 2**63 - 1, (B, T, 2), dtype=torch.int64)
+    mask = torch.randint(-(2**63), 2**63 - 1, (B, T, 2), dtype=torch.int64)
     mask[:, 5] = 0  # node 5 sees nothing of the tree; with cache_lens 0 it sees no key
     case["tree_mask"] = mask.to(device)
     out = check(case, backend)
@@ -187,11 +209,13 @@ def test_negative_and_default_scale(device, backend):
     check(case, backend)
     case.pop("sm_scale")
     out = sk.tree_verify(**case, backend=backend)
-    torch.testing.assert_close(out, sk.tree_verify(**case, sm_scale=64 ** -0.5, backend=backend),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        out, sk.tree_verify(**case, sm_scale=64**-0.5, backend=backend), atol=0, rtol=0
+    )
 
 
 # --------------------------------------------------------------------------- bad inputs
+
 
 def _bad(case_name, device):
     """A valid small case, then broken as named; returns the argument dict."""
@@ -295,8 +319,16 @@ def test_mixed_devices(device, backend):
 
 # --------------------------------------------------------------------------- torch integration
 def _op_args(case):
-    return (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["cache_lens"],
-            case["num_nodes"], case["tree_mask"], case["sm_scale"])
+    return (
+        case["q"],
+        case["k_cache"],
+        case["v_cache"],
+        case["block_table"],
+        case["cache_lens"],
+        case["num_nodes"],
+        case["tree_mask"],
+        case["sm_scale"],
+    )
 
 
 def test_opcheck(device):
@@ -309,8 +341,16 @@ def test_torch_compile_fullgraph(device):
 
     @torch.compile(fullgraph=True)
     def layer(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask):
-        out = torch.ops.specdec.tree_verify(q * 2.0, k_cache, v_cache, block_table, cache_lens,
-                                            num_nodes, tree_mask, 0.5 * case["sm_scale"])
+        out = torch.ops.specdec.tree_verify(
+            q * 2.0,
+            k_cache,
+            v_cache,
+            block_table,
+            cache_lens,
+            num_nodes,
+            tree_mask,
+            0.5 * case["sm_scale"],
+        )
         return out + 1.0
 
     got = layer(*_op_args(case)[:-1])

@@ -22,8 +22,7 @@ std::tuple<at::Tensor, at::Tensor> build_tree_mask_cpu(const at::Tensor& parents
       for (int64_t i = 0; i < nn[b]; ++i) {
         const int32_t p = par[b * T + i];
         if (p >= 0) {  // parents precede children, so row p is final
-          std::memcpy(rows + i * mask_words, rows + p * mask_words,
-                      mask_words * sizeof(uint64_t));
+          std::memcpy(rows + i * mask_words, rows + p * mask_words, mask_words * sizeof(uint64_t));
           dp[b * T + i] = dp[b * T + p] + 1;
         }
         rows[i * mask_words + i / 64] |= uint64_t(1) << (i % 64);

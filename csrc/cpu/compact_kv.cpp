@@ -21,7 +21,8 @@ void compact_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
   const int32_t* cl = cache_lens.data_ptr<int32_t>();
   const int32_t* acc = accepted_nodes.data_ptr<int32_t>();
   const int32_t* na = num_accepted.data_ptr<int32_t>();
-  char* caches[2] = {static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr())};
+  char* caches[2] = {static_cast<char*>(k_cache.data_ptr()),
+                     static_cast<char*>(v_cache.data_ptr())};
 
   auto slot = [&](int64_t b, int64_t pos) {  // physical row index within one layer
     return int64_t(bt[b * max_blocks + pos / block_size]) * block_size + pos % block_size;
@@ -30,7 +31,7 @@ void compact_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t which = t / (L * B), l = (t / B) % L, b = t % B;
       char* layer = caches[which] + l * num_blocks * block_size * row_bytes;
-      const int64_t cache_len = cl[b];  // int64: cache_len + node may pass 2^31 - 1
+      const int64_t cache_len = cl[b];        // int64: cache_len + node may pass 2^31 - 1
       for (int64_t k = 1; k <= na[b]; ++k) {  // k = 0 is the root: already in place
         const int64_t src = slot(b, cache_len + acc[b * T + k]), dst = slot(b, cache_len + k);
         if (src != dst) std::memcpy(layer + dst * row_bytes, layer + src * row_bytes, row_bytes);

@@ -56,7 +56,10 @@ constexpr uint64_t kOneBits = 0x3FF0000000000000ull;  // the bits of 1.0
 // holds the block sums of the final sampling scan.
 struct Scratch {
   explicit Scratch(int64_t V)
-      : tok(new int32_t[V]), p(new double[V]), r(new double[V]), tmp(new double[V]),
+      : tok(new int32_t[V]),
+        p(new double[V]),
+        r(new double[V]),
+        tmp(new double[V]),
         hist(new double[kBuckets]) {}
   std::unique_ptr<int32_t[]> tok;
   std::unique_ptr<double[]> p, r, tmp;
@@ -139,7 +142,7 @@ SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
   vu kb;
   __builtin_memcpy(&kb, &shifted, sizeof(kb));
   kb = kb - 0x4338000000000000ull;  // k (0x4338... = the bits of `round`)
-  if constexpr (!kTiny) {  // 2^k is normal: one factor
+  if constexpr (!kTiny) {           // 2^k is normal: one factor
     const vu bits = (kb + 1023) << 52;
     vd scale;
     __builtin_memcpy(&scale, &bits, sizeof(scale));
@@ -204,7 +207,8 @@ SPECDEC_INLINE std::pair<double, double> row_range(const scalar_t* row, int64_t 
     if (t + L <= V && std::is_same_v<scalar_t, float>) {
       __builtin_memcpy(&x, row + t, sizeof(x));
     } else {
-      for (int64_t j = 0; j < std::min<int64_t>(L, V - t); ++j) x[j] = static_cast<float>(row[t + j]);
+      for (int64_t j = 0; j < std::min<int64_t>(L, V - t); ++j)
+        x[j] = static_cast<float>(row[t + j]);
     }
     nan |= x != x;
     max = x > max ? x : max;
@@ -299,8 +303,8 @@ SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double temperature, 
 int64_t bucket_of(double v) {
   uint64_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
-  const int64_t k = static_cast<int64_t>(kOneBits >> kBucketShift) -
-                    static_cast<int64_t>(bits >> kBucketShift);
+  const int64_t k =
+      static_cast<int64_t>(kOneBits >> kBucketShift) - static_cast<int64_t>(bits >> kBucketShift);
   return std::clamp<int64_t>(k, 0, kBuckets - 1);
 }
 
@@ -441,8 +445,8 @@ double subtract_draft_any(const DraftProbs& dp, int64_t row, const int32_t* tok,
 
 // q of support entries [i, i + m), m <= W; lanes from m on are 0.
 template <int W, typename Q>
-SPECDEC_INLINE typename Simd<W>::d draft_part(const Q* q, const int32_t* tok, bool dense,
-                                              int64_t i, int64_t m) {
+SPECDEC_INLINE typename Simd<W>::d draft_part(const Q* q, const int32_t* tok, bool dense, int64_t i,
+                                              int64_t m) {
   if (dense) return m == W ? load_f64<W>(q + i) : load_part<W>(q + i, m, 0.0);
   typename Simd<W>::d v{};
   for (int64_t j = 0; j < m; ++j) v[j] = static_cast<double>(q[tok[i + j]]);
@@ -478,8 +482,8 @@ SPECDEC_INLINE double subtract_draft(const DraftProbs& dp, int64_t row, const in
                                  dst, n, rsum);
   }
   if (dp.dtype == at::kDouble) {
-    return subtract_draft_vec<W>(static_cast<const double*>(dp.data) + row * dp.V, tok, dense,
-                                 src, dst, n, rsum);
+    return subtract_draft_vec<W>(static_cast<const double*>(dp.data) + row * dp.V, tok, dense, src,
+                                 dst, n, rsum);
   }
   return subtract_draft_any(dp, row, tok, dense, src, dst, n, rsum);
 }
@@ -640,10 +644,10 @@ WalkFn<scalar_t> pick_walk() {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
-    const at::Tensor& target_logits, const at::Tensor& draft_tokens,
-    const at::Tensor& parents, const at::Tensor& num_nodes,
-    const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature,
-    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& uniforms) {
+    const at::Tensor& target_logits, const at::Tensor& draft_tokens, const at::Tensor& parents,
+    const at::Tensor& num_nodes, const std::optional<at::Tensor>& draft_probs,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& uniforms) {
   const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
   const auto opts = target_logits.options().dtype(at::kInt);
   at::Tensor accepted = at::full({B, T}, -1, opts);
@@ -667,8 +671,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
       std::unique_ptr<Scratch> s;  // only sampled requests need it
       for (int64_t b = b0; b < b1; ++b) {
-        const Request rq{b, T, V, draft + b * T, par + b * T, nn[b], uni + b * (T + 1),
-                         Params{temp[b], tk[b], tp[b]}, acc + b * T, out + b * T, na + b};
+        const Request rq{b,
+                         T,
+                         V,
+                         draft + b * T,
+                         par + b * T,
+                         nn[b],
+                         uni + b * (T + 1),
+                         Params{temp[b], tk[b], tp[b]},
+                         acc + b * T,
+                         out + b * T,
+                         na + b};
         const scalar_t* rows = logits + b * T * V;
         if (temp[b] == 0.f) {
           walk_greedy(rows, rq);

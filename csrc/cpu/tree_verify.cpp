@@ -54,10 +54,10 @@ namespace {
 // (+ 3 operands) fill but do not overflow the 32 zmm or 16 ymm / xmm registers.
 template <int W>
 constexpr int kCols = W == 16 ? 8 : 4;
-constexpr int kMaxCols = 8;             // the largest kCols: head dims are padded to it
-constexpr int kMaxPanel = 32;           // 2 * the widest W: rows are padded to it
-constexpr int64_t kTile = 64;           // key positions staged at a time (even, a multiple of kMaxCols)
-constexpr int64_t kMinSplit = 256;      // fewest positions worth a split of their own
+constexpr int kMaxCols = 8;         // the largest kCols: head dims are padded to it
+constexpr int kMaxPanel = 32;       // 2 * the widest W: rows are padded to it
+constexpr int64_t kTile = 64;       // key positions staged at a time (even, a multiple of kMaxCols)
+constexpr int64_t kMinSplit = 256;  // fewest positions worth a split of their own
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // 2^x for x <= 0 (a score minus its row max), ~1 ulp; exactly 0 below -126 and for -inf.
@@ -92,9 +92,9 @@ SPECDEC_INLINE typename Simd<W>::f exp2_nonpos(typename Simd<W>::f x) {
 // The inputs of one call, with the index arithmetic of the paged layout.
 template <typename scalar_t>
 struct Problem {
-  const scalar_t* q;   // [B, T, Hq, D]
-  const scalar_t* k;   // [num_blocks, block_size, Hkv, D]
-  const scalar_t* v;   // [num_blocks, block_size, Hkv, D]
+  const scalar_t* q;           // [B, T, Hq, D]
+  const scalar_t* k;           // [num_blocks, block_size, Hkv, D]
+  const scalar_t* v;           // [num_blocks, block_size, Hkv, D]
   const int32_t* block_table;  // [B, max_blocks]
   const int32_t* cache_lens;   // [B]
   const int32_t* num_nodes;    // [B]
@@ -149,14 +149,14 @@ struct Workspace {
                           13 * 64 + 64;
     mem.reset(new uint8_t[bytes]());
     uint8_t* cursor = mem.get() + (64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64;
-    qt = take<float>(cursor, Dp * Mp);     // [Dp, Mp] queries, transposed
-    ot = take<float>(cursor, Dp * Mp);     // [Dp, Mp] unnormalised output, transposed
-    s = take<float>(cursor, kTile * Mp);   // [kTile, Mp] scores, then probabilities
-    kt = take<float>(cursor, kTile * Dp);  // [kTile, Dp] K tile
-    vt = take<float>(cursor, kTile * Dp);  // [kTile, Dp] V tile
-    mx = take<float>(cursor, Mp);          // [Mp] running max (base 2)
-    l = take<float>(cursor, Mp);           // [Mp] running sum
-    alpha = take<float>(cursor, Mp);       // [Mp] rescale of o for the current tile
+    qt = take<float>(cursor, Dp * Mp);            // [Dp, Mp] queries, transposed
+    ot = take<float>(cursor, Dp * Mp);            // [Dp, Mp] unnormalised output, transposed
+    s = take<float>(cursor, kTile * Mp);          // [kTile, Mp] scores, then probabilities
+    kt = take<float>(cursor, kTile * Dp);         // [kTile, Dp] K tile
+    vt = take<float>(cursor, kTile * Dp);         // [kTile, Dp] V tile
+    mx = take<float>(cursor, Mp);                 // [Mp] running max (base 2)
+    l = take<float>(cursor, Mp);                  // [Mp] running sum
+    alpha = take<float>(cursor, Mp);              // [Mp] rescale of o for the current tile
     qp = take<uint32_t>(cursor, Dp / 2 * Mp);     // [Dp / 2, Mp] (q[m, 2i], q[m, 2i + 1])
     kp = take<uint32_t>(cursor, kTile * Dp / 2);  // [kTile, Dp / 2] (k[n, 2i], k[n, 2i + 1])
     vp = take<uint32_t>(cursor, kTile / 2 * Dp);  // [kTile / 2, Dp] (v[2j, d], v[2j + 1, d])
@@ -166,8 +166,8 @@ struct Workspace {
 
 // s[n, 0:2W] = scale * sum_d kt[n, d] * qt[d, 0:2W] for the kCols keys n of one block.
 template <int W>
-SPECDEC_INLINE void score_block(const float* qt, const float* kt, int64_t D, int64_t Dp,
-                                int64_t Mp, float scale, float* s) {
+SPECDEC_INLINE void score_block(const float* qt, const float* kt, int64_t D, int64_t Dp, int64_t Mp,
+                                float scale, float* s) {
   using vfloat = typename Simd<W>::f;
   constexpr int C = kCols<W>;
   vfloat acc[C][2] = {};
@@ -256,8 +256,8 @@ SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, int64_t b, i
 // probabilities relative to the updated running max, and records in alpha how much o must
 // be rescaled. A row that has seen no key yet (max -inf) keeps o = 0, l = 0.
 template <int W>
-SPECDEC_INLINE void softmax_tile(float* s, int64_t Mp, int64_t Mr, int64_t nt, float* mx,
-                                 float* l, float* alpha) {
+SPECDEC_INLINE void softmax_tile(float* s, int64_t Mp, int64_t Mr, int64_t nt, float* mx, float* l,
+                                 float* alpha) {
   using vfloat = typename Simd<W>::f;
   for (int64_t r = 0; r < Mr; r += W) {
     const vfloat m_old = load<W>(mx + r);
@@ -383,15 +383,15 @@ SPECDEC_INLINE uint16_t bits(c10::BFloat16 x) { return x.x; }
 SPECDEC_BF16_TARGET SPECDEC_INLINE void pair_probs(const float* s, int64_t nt, int64_t Mp,
                                                    int64_t Mr, uint32_t* pp) {
   // Interleaves the 16 lows (elements 0..15) with the 16 highs (16..31).
-  alignas(64) static const uint16_t kZip[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                                21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+  alignas(64) static const uint16_t kZip[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                                 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i zip = _mm512_load_si512(kZip);
   for (int64_t j = 0; 2 * j < nt; ++j) {
     for (int64_t r = 0; r < Mr; r += 16) {
       const __m512 lo = _mm512_loadu_ps(s + 2 * j * Mp + r);
-      const __m512 hi = 2 * j + 1 < nt ? _mm512_loadu_ps(s + (2 * j + 1) * Mp + r)
-                                       : _mm512_setzero_ps();
+      const __m512 hi =
+          2 * j + 1 < nt ? _mm512_loadu_ps(s + (2 * j + 1) * Mp + r) : _mm512_setzero_ps();
       const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo in 0..15, hi in 16..31
       _mm512_storeu_si512(pp + j * Mp + r, _mm512_permutexvar_epi16(zip, halves));
     }
@@ -450,15 +450,13 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_a
 }
 
 template <typename scalar_t>
-__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Problem<scalar_t>& P,
-                                                          Workspace& ws, int64_t b, int64_t h,
-                                                          int64_t s) {
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Problem<scalar_t>& P, Workspace& ws,
+                                                          int64_t b, int64_t h, int64_t s) {
   attend<8>(P, ws, b, h, s);
 }
 
 template <typename scalar_t>
-void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
-                     int64_t s) {
+void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h, int64_t s) {
   attend<4>(P, ws, b, h, s);
 }
 
@@ -502,7 +500,9 @@ struct Partials {
   int64_t num_splits, Mp, D;
   std::vector<float> o, ml;
   Partials(int64_t groups, int64_t num_splits, int64_t Mp, int64_t D)
-      : num_splits(num_splits), Mp(Mp), D(D),
+      : num_splits(num_splits),
+        Mp(Mp),
+        D(D),
         o(num_splits > 1 ? groups * num_splits * D * Mp : 0),
         ml(num_splits > 1 ? groups * num_splits * 2 * Mp : 0) {}
   void save(int64_t t, const Workspace& ws) {

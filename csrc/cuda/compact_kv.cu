@@ -85,11 +85,18 @@ void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
                   block_size < (int64_t(1) << 31) && max_blocks < (int64_t(1) << 31),
               "compact_kv (CUDA): cache dimensions too large");
 
-  cuda::CompactParams p{k_cache.data_ptr(), v_cache.data_ptr(),
-                        block_table.data_ptr<int32_t>(), cache_lens.data_ptr<int32_t>(),
-                        accepted_nodes.data_ptr<int32_t>(), num_accepted.data_ptr<int32_t>(),
-                        num_blocks * block_size, 0, int(num_blocks), int(block_size),
-                        int(max_blocks), int(T)};
+  cuda::CompactParams p{k_cache.data_ptr(),
+                        v_cache.data_ptr(),
+                        block_table.data_ptr<int32_t>(),
+                        cache_lens.data_ptr<int32_t>(),
+                        accepted_nodes.data_ptr<int32_t>(),
+                        num_accepted.data_ptr<int32_t>(),
+                        num_blocks * block_size,
+                        0,
+                        int(num_blocks),
+                        int(block_size),
+                        int(max_blocks),
+                        int(T)};
   // The widest unit that divides the row size and the alignment of both caches.
   const auto align = reinterpret_cast<uintptr_t>(k_cache.data_ptr()) |
                      reinterpret_cast<uintptr_t>(v_cache.data_ptr()) | uintptr_t(row_bytes);

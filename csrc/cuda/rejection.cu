@@ -98,7 +98,7 @@ __device__ __forceinline__ uint64_t mass_units(float w) {  // w in [0, 1]
 __device__ __forceinline__ float softmax_weight(float l, float m, float scale_log2) {
   if (m == INFINITY) return l == INFINITY ? 1.f : 0.f;
   if (m == -INFINITY) return 1.f;
-  const float d = l - m;  // <= 0; -inf for -inf logits
+  const float d = l - m;                          // <= 0; -inf for -inf logits
   return d == 0.f ? 1.f : exp2f(d * scale_log2);  // d == 0 first: scale may be +inf
 }
 

@@ -17,9 +17,9 @@ constexpr int kThreads = 128;
 // parents: [B, T]; num_nodes: [B]; mask: [B, T, mask_words], mask_words = ceil(T / 64);
 // depth: [B, T]. Every element is written.
 __global__ void __launch_bounds__(kThreads)
-    build_tree_mask_kernel(const int32_t* __restrict__ parents, const int32_t* __restrict__ num_nodes,
-                           uint64_t* __restrict__ mask, int32_t* __restrict__ depth, int T,
-                           int mask_words) {
+    build_tree_mask_kernel(const int32_t* __restrict__ parents,
+                           const int32_t* __restrict__ num_nodes, uint64_t* __restrict__ mask,
+                           int32_t* __restrict__ depth, int T, int mask_words) {
   const int b = blockIdx.x;
   const int n = min(max(num_nodes[b], 0), T);
   const int32_t* par = parents + int64_t(b) * T;

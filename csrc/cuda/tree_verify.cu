@@ -44,43 +44,43 @@ constexpr int kMinSplitKeys = 256;   // a split covers at least this many positi
 
 template <typename scalar_t>
 struct VerifyParams {
-  const scalar_t* q;            // [B, T, Hq, D]
-  const scalar_t* k;            // [num_blocks, block_size, Hkv, D]
-  const scalar_t* v;            // [num_blocks, block_size, Hkv, D]
-  const int32_t* block_table;   // [B, max_blocks]
-  const int32_t* cache_lens;    // [B]
-  const int32_t* num_nodes;     // [B]
-  const uint64_t* tree_mask;    // [B, T, mask_words]
-  scalar_t* out;                // [B, T, Hq, D]: written when num_splits == 1
-  float* part_out;              // [num_splits, B, T, Hq, D]: written when num_splits > 1
-  float* part_lse;              // [num_splits, B, T, Hq] (log2 domain; -inf = no key)
-  float scale_log2;             // sm_scale * log2(e)
+  const scalar_t* q;           // [B, T, Hq, D]
+  const scalar_t* k;           // [num_blocks, block_size, Hkv, D]
+  const scalar_t* v;           // [num_blocks, block_size, Hkv, D]
+  const int32_t* block_table;  // [B, max_blocks]
+  const int32_t* cache_lens;   // [B]
+  const int32_t* num_nodes;    // [B]
+  const uint64_t* tree_mask;   // [B, T, mask_words]
+  scalar_t* out;               // [B, T, Hq, D]: written when num_splits == 1
+  float* part_out;             // [num_splits, B, T, Hq, D]: written when num_splits > 1
+  float* part_lse;             // [num_splits, B, T, Hq] (log2 domain; -inf = no key)
+  float scale_log2;            // sm_scale * log2(e)
   int B, T, Hq, Hkv, D;
-  int group_size;               // query heads per KV head: Hq / Hkv
-  int num_blocks, block_size;   // cache blocks, positions per block
-  int max_blocks;               // block table entries per request
-  int mask_words;               // 64-bit words per tree_mask row: ceil(T / 64)
-  int rows_per_head;            // query rows per (request, kv head): T * group_size
-  int rows_alloc;               // rows of Q / P in shared memory: min(rows_per_head, kRowsPerCta)
-  int max_positions;            // positions a block table row maps: max_blocks * block_size
-  int chunk;                    // positions per split (a multiple of kKeyTile)
+  int group_size;              // query heads per KV head: Hq / Hkv
+  int num_blocks, block_size;  // cache blocks, positions per block
+  int max_blocks;              // block table entries per request
+  int mask_words;              // 64-bit words per tree_mask row: ceil(T / 64)
+  int rows_per_head;           // query rows per (request, kv head): T * group_size
+  int rows_alloc;              // rows of Q / P in shared memory: min(rows_per_head, kRowsPerCta)
+  int max_positions;           // positions a block table row maps: max_blocks * block_size
+  int chunk;                   // positions per split (a multiple of kKeyTile)
   int num_splits;
-  bool vec_ok;                  // K / V rows can be read with 16-byte loads
+  bool vec_ok;  // K / V rows can be read with 16-byte loads
 };
 
 template <int DP>
 __host__ __device__ constexpr int smem_floats(int rows) {
-  return rows * DP              // Q rows (pre-scaled by scale_log2)
-         + rows * kKeyTile      // P (probabilities of the current key tile)
-         + kKeyTile * DP        // V tile
+  return rows * DP               // Q rows (pre-scaled by scale_log2)
+         + rows * kKeyTile       // P (probabilities of the current key tile)
+         + kKeyTile * DP         // V tile
          + kKeyTile * (DP + 1);  // K tile, padded so lane kk reading row kk hits bank kk
 }
 
 // K / V tile of positions [p0, p0 + kKeyTile) of request b, head h -> shared (fp32, zero
 // padded past D and past kend). Block ids are clamped like the reference's gather.
 template <typename scalar_t, int DP>
-__device__ __forceinline__ void load_kv_tile(const VerifyParams<scalar_t>& p, int b, int h,
-                                             int p0, int kend, float* Ks, float* Vs) {
+__device__ __forceinline__ void load_kv_tile(const VerifyParams<scalar_t>& p, int b, int h, int p0,
+                                             int kend, float* Ks, float* Vs) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   constexpr int kChunks = DP / kVec;  // 16-byte chunks per padded row
   for (int idx = threadIdx.x; idx < kKeyTile * kChunks; idx += kThreads) {
@@ -124,7 +124,8 @@ __device__ __forceinline__ void load_kv_tile(const VerifyParams<scalar_t>& p, in
 }
 
 template <typename scalar_t, int DP>
-__global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kernel(const VerifyParams<scalar_t> p) {
+__global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1)
+    tree_verify_kernel(const VerifyParams<scalar_t> p) {
   constexpr int kCols = DP / kWarpSize;  // output columns per lane
   extern __shared__ float4 smem4[];
   float* Qs = reinterpret_cast<float*>(smem4);  // [rows_alloc][DP]
@@ -139,8 +140,9 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kerne
   const int n = min(max(p.num_nodes[b], 0), p.T);
   const int c = p.cache_lens[b];
   const int64_t tree_end = int64_t(c) + n;  // 64-bit: c may be anything when unvalidated
-  const int ctx_end =
-      tree_end <= 0 ? 0 : tree_end >= p.max_positions ? p.max_positions : int(tree_end);
+  const int ctx_end = tree_end <= 0                 ? 0
+                      : tree_end >= p.max_positions ? p.max_positions
+                                                    : int(tree_end);
   const int kbeg = split * p.chunk;  // max_positions < 2^30 (host check): no int overflow here
   const int kend = min(kbeg + p.chunk, ctx_end);
 
@@ -149,13 +151,15 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kerne
   const int rows_cta = min(p.rows_per_head - row0, kRowsPerCta);
   const int rows_live = min(p.rows_per_head, n * p.group_size) - row0;  // may be <= 0
   // Slots i < nrows of this warp (local rows warp + kWarps * i) are live rows.
-  const int nrows = rows_live > warp ? min(kRowsPerWarp, (rows_live - warp + kWarps - 1) / kWarps) : 0;
+  const int nrows =
+      rows_live > warp ? min(kRowsPerWarp, (rows_live - warp + kWarps - 1) / kWarps) : 0;
 
   for (int idx = threadIdx.x; idx < rows_cta * DP; idx += kThreads) {
     const int rl = idx / DP, d = idx % DP, r = row0 + rl;
     const int t = r / p.group_size, hq = h * p.group_size + r % p.group_size;
     float x = 0.f;
-    if (d < p.D && t < n) x = to_float(p.q[((int64_t(b) * p.T + t) * p.Hq + hq) * p.D + d]) * p.scale_log2;
+    if (d < p.D && t < n)
+      x = to_float(p.q[((int64_t(b) * p.T + t) * p.Hq + hq) * p.D + d]) * p.scale_log2;
     Qs[rl * DP + d] = x;
   }
 
@@ -205,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kerne
         const float x = ok ? s[i] : -INFINITY;
         const float m_new = fmaxf(m[i], warp_reduce(x, Max()));
         float alpha = 1.f, prob = 0.f;
-        if (m_new != -INFINITY) {  // else no key so far: nothing to rescale, nothing to add
+        if (m_new != -INFINITY) {       // else no key so far: nothing to rescale, nothing to add
           alpha = exp2f(m[i] - m_new);  // exp2(-inf) = 0 on the first key
           prob = exp2f(x - m_new);
         }
@@ -223,8 +227,9 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1) tree_verify_kerne
       float4 pv[kRowsPerWarp];
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
-        pv[i] = i < nrows ? *reinterpret_cast<const float4*>(Ps + (warp + kWarps * i) * kKeyTile + kk)
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        pv[i] = i < nrows
+                    ? *reinterpret_cast<const float4*>(Ps + (warp + kWarps * i) * kKeyTile + kk)
+                    : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -336,9 +341,8 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t group_size = Hq / Hkv, rows_per_head = T * group_size;
   TORCH_CHECK(D <= 256, "tree_verify (CUDA): head dim D must be <= 256, got ", D);
   const int64_t row_tiles = ceil_div(rows_per_head, kRowsPerCta);
-  TORCH_CHECK(B <= 65535 && Hkv * row_tiles <= 65535,
-              "tree_verify (CUDA): grid too large (B = ", B, ", Hkv = ", Hkv,
-              ", T * Hq / Hkv = ", rows_per_head, ")");
+  TORCH_CHECK(B <= 65535 && Hkv * row_tiles <= 65535, "tree_verify (CUDA): grid too large (B = ", B,
+              ", Hkv = ", Hkv, ", T * Hq / Hkv = ", rows_per_head, ")");
   TORCH_CHECK(max_positions < (int64_t(1) << 30) && num_blocks < (int64_t(1) << 31) &&
                   B * T * Hq < (int64_t(1) << 31),
               "tree_verify (CUDA): sizes too large");
@@ -356,7 +360,9 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
 
   SPECDEC_DISPATCH_FLOAT_DTYPE(q.scalar_type(), scalar_t, {
     constexpr int kVec = 16 / sizeof(scalar_t);
-    const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+    const auto aligned = [](const at::Tensor& t) {
+      return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    };
     VerifyParams<scalar_t> p{};
     p.q = q.data_ptr<scalar_t>();
     p.k = k_cache.data_ptr<scalar_t>();

@@ -9,20 +9,43 @@
 Names are imported lazily, so `import specdec` (and the CLI's argument parsing) does not
 build or load the C++ ops until a model is used.
 """
+
 import importlib
 
-from .errors import HeadMismatchError, InvalidRequestError, InvalidTreeSpecError, ModelLoadError, SpecdecError
+from .errors import (
+    HeadMismatchError,
+    InvalidRequestError,
+    InvalidTreeSpecError,
+    ModelLoadError,
+    SpecdecError,
+)
 
 _LAZY = {
-    "Engine": "engine", "Request": "engine", "Result": "engine", "SamplingParams": "engine",
-    "EagleHead": "eagle", "load_head": "eagle",
-    "TreeSpec": "drafting", "Stats": "stats",
-    "Drafter": "drafters", "PlainDrafter": "drafters", "EagleDrafter": "drafters", "NgramDrafter": "drafters",
-    "Transformer": "model", "ModelArgs": "config", "load_model": "loader", "Tokenizer": "tokenizer",
+    "Engine": "engine",
+    "Request": "engine",
+    "Result": "engine",
+    "SamplingParams": "engine",
+    "EagleHead": "eagle",
+    "load_head": "eagle",
+    "TreeSpec": "drafting",
+    "Stats": "stats",
+    "Drafter": "drafters",
+    "PlainDrafter": "drafters",
+    "EagleDrafter": "drafters",
+    "NgramDrafter": "drafters",
+    "Transformer": "model",
+    "ModelArgs": "config",
+    "load_model": "loader",
+    "Tokenizer": "tokenizer",
 }
 
-__all__ = sorted(_LAZY) + ["HeadMismatchError", "InvalidRequestError", "InvalidTreeSpecError",
-                           "ModelLoadError", "SpecdecError"]
+__all__ = sorted(_LAZY) + [
+    "HeadMismatchError",
+    "InvalidRequestError",
+    "InvalidTreeSpecError",
+    "ModelLoadError",
+    "SpecdecError",
+]
 
 
 def __getattr__(name):

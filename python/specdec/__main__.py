@@ -1,4 +1,5 @@
 """`python -m specdec ...` is the `specdec` command."""
+
 from .cli import main
 
 main()

@@ -28,6 +28,7 @@ Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target
 Every step is an ordinary speculative step (exact for any tree), so the outputs follow the
 target exactly; only the speed depends on these choices.
 """
+
 import time
 from dataclasses import dataclass, field
 
@@ -64,12 +65,18 @@ class CostModel:
         return self._at(batch, lambda c: _draft(c["draft_s"], levels))
 
     def _at(self, batch, f) -> float:
-        mine = dict(batch_size=self.batch_size, verify_tokens=self.verify_tokens, verify_s=self.verify_s,
-                    draft_s=self.draft_s)
+        mine = dict(
+            batch_size=self.batch_size,
+            verify_tokens=self.verify_tokens,
+            verify_s=self.verify_s,
+            draft_s=self.draft_s,
+        )
         if batch is None or not self.others:
             return f(mine)
-        curves = sorted([mine] + [o for o in self.others if o["batch_size"] != self.batch_size],
-                        key=lambda c: c["batch_size"])
+        curves = sorted(
+            [mine] + [o for o in self.others if o["batch_size"] != self.batch_size],
+            key=lambda c: c["batch_size"],
+        )
         if batch <= curves[0]["batch_size"]:
             return f(curves[0])
         for c0, c1 in zip(curves, curves[1:]):
@@ -83,8 +90,16 @@ class CostModel:
 
     @classmethod
     @torch.inference_mode()
-    def measure(cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3,
-                batch_sizes=None) -> "CostModel":
+    def measure(
+        cls,
+        model,
+        head,
+        spec,
+        batch_size: int,
+        context: int = 128,
+        repeats: int = 3,
+        batch_sizes=None,
+    ) -> "CostModel":
         """The costs at batch_size, with .others at batch_sizes (default: 1 and, from 8 on,
         about half of batch_size; the policy interpolates between them for the live
         occupancy). Each is measured by _measure_one, the others with one timed call per
@@ -92,15 +107,25 @@ class CostModel:
         if batch_sizes is None:
             batch_sizes = {1} | ({1 << (batch_size.bit_length() - 2)} if batch_size >= 8 else set())
         main = cls._measure_one(model, head, spec, batch_size, context, repeats)
-        for b in sorted(set(batch_sizes) - {batch_size}):  # one timed call each: start-up stays short
+        for b in sorted(
+            set(batch_sizes) - {batch_size}
+        ):  # one timed call each: start-up stays short
             c = cls._measure_one(model, head, spec, b, context, 1)
-            main.others.append(dict(batch_size=b, verify_tokens=c.verify_tokens, verify_s=c.verify_s,
-                                    draft_s=c.draft_s))
+            main.others.append(
+                dict(
+                    batch_size=b,
+                    verify_tokens=c.verify_tokens,
+                    verify_s=c.verify_s,
+                    draft_s=c.draft_s,
+                )
+            )
         return main
 
     @classmethod
     @torch.inference_mode()
-    def _measure_one(cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3) -> "CostModel":
+    def _measure_one(
+        cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3
+    ) -> "CostModel":
         """Times the target over trees of 1, 2, 4, ... spec.total nodes and the drafter over
         1 .. spec.depth levels, at batch_size requests of `context` cached tokens (scratch
         caches; the cache contents do not change the time). Sizes whose verify costs more
@@ -113,30 +138,45 @@ class CostModel:
         cache = model.new_cache(B, context + spec.total)
         cache.cache_lens.fill_(context)
         feature_layers = head.feature_layers if head is not None else ()
-        sizes = sorted({1, spec.total} | {2 ** i for i in range(1, 12) if 2 ** i < spec.total})
+        sizes = sorted({1, spec.total} | {2**i for i in range(1, 12) if 2**i < spec.total})
         verify_s = []
         for T in sizes:
             tokens = torch.randint(0, model.args.vocab_size, (B, T), device=dev)
-            parents = torch.arange(-1, T - 1, dtype=torch.int32, device=dev).expand(B, T).contiguous()
+            parents = (
+                torch.arange(-1, T - 1, dtype=torch.int32, device=dev).expand(B, T).contiguous()
+            )
             num_nodes = torch.full((B,), T, dtype=torch.int32, device=dev)
 
             def verify(tokens=tokens, parents=parents, num_nodes=num_nodes):  # bound now, not late
                 mask, depth = ops.build_tree_mask(parents, num_nodes)
                 model(tokens, cache, slots, num_nodes, mask, depth, feature_layers)
+
             verify_s.append(_median_time(verify, repeats, dev))
             if verify_s[-1] > (spec.depth + 1) * verify_s[0]:
                 break
 
         if head is None:
-            return cls(B, sizes[:len(verify_s)], verify_s, [0.0] * spec.depth)
+            return cls(B, sizes[: len(verify_s)], verify_s, [0.0] * spec.depth)
         head_cache = head.new_cache(B, context + spec.head_nodes)
         head_cache.cache_lens.fill_(context)
         hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
         roots = torch.zeros(B, dtype=torch.long, device=dev)
-        draft_s = [_median_time(lambda levels=levels: draft_dynamic(TreeSpec("dynamic", levels, spec.topk, spec.total), head,
-                                                      hidden, head_cache, slots, roots), repeats, dev)
-                   for levels in range(1, spec.depth + 1)]
-        return cls(B, sizes[:len(verify_s)], verify_s, draft_s)
+        draft_s = [
+            _median_time(
+                lambda levels=levels: draft_dynamic(
+                    TreeSpec("dynamic", levels, spec.topk, spec.total),
+                    head,
+                    hidden,
+                    head_cache,
+                    slots,
+                    roots,
+                ),
+                repeats,
+                dev,
+            )
+            for levels in range(1, spec.depth + 1)
+        ]
+        return cls(B, sizes[: len(verify_s)], verify_s, draft_s)
 
 
 def _verify(xs, ys, T) -> float:
@@ -188,7 +228,9 @@ class Policy:
         self.spec_steps = self.spec_tokens = self.spec_levels = self.spec_nodes = 0.0
         self.plain_streak, self.probe = 0, MIN_PROBE
         self.levels = 0  # draft levels of the current step
-        self.batch = cost.batch_size  # live occupancy: the requests in this step (set by the engine)
+        self.batch = (
+            cost.batch_size
+        )  # live occupancy: the requests in this step (set by the engine)
 
     # ------------------------------------------------------------------ 1. plain or not
     def plain_rate(self) -> float:
@@ -202,7 +244,9 @@ class Policy:
         if not self.spec_steps:
             return float("inf")
         n = self.spec_steps
-        step_s = self.cost.draft(self.spec_levels / n, self.batch) + self.cost.verify(self.spec_nodes / n, self.batch)
+        step_s = self.cost.draft(self.spec_levels / n, self.batch) + self.cost.verify(
+            self.spec_nodes / n, self.batch
+        )
         return self.spec_tokens / n / step_s
 
     def speculate(self) -> bool:

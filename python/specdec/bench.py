@@ -2,6 +2,7 @@
 
 The end-to-end benchmark is an application of the engine: its code is specdec.apps.bench.
 """
+
 if __name__ == "__main__":
     import sys
 

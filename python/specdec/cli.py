@@ -11,6 +11,7 @@ benchmark or training code). Entry points import the library, never the reverse:
 specdec imports this module. Bad input of any kind (a SpecdecError) is one line on stderr and
 exit code 2, never a traceback; Ctrl-C is one line and exit code 130.
 """
+
 import argparse
 import importlib
 import sys
@@ -20,9 +21,15 @@ from .errors import SpecdecError
 # name -> (module implementing it, one-line help)
 SUBCOMMANDS = {
     "generate": ("specdec.apps.generate", "generate text, speculatively (EAGLE) or plainly"),
-    "train-head": ("specdec.apps.train", "train an EAGLE head by self-distillation on ShareGPT prompts"),
-    "bench": ("specdec.apps.bench", "end-to-end benchmark on MT-bench prompts: HF generate, prompt lookup, "
-                                    "plain, EAGLE chain / tree"),
+    "train-head": (
+        "specdec.apps.train",
+        "train an EAGLE head by self-distillation on ShareGPT prompts",
+    ),
+    "bench": (
+        "specdec.apps.bench",
+        "end-to-end benchmark on MT-bench prompts: HF generate, prompt lookup, "
+        "plain, EAGLE chain / tree",
+    ),
 }
 
 

@@ -1,4 +1,5 @@
 """ModelArgs: the hyper-parameters of a Llama-family decoder, read from a Hugging Face config."""
+
 from dataclasses import dataclass
 
 from .errors import ModelLoadError
@@ -6,7 +7,13 @@ from .errors import ModelLoadError
 # model_type -> whether q/k/v projections carry a bias
 SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+)
 
 
 @dataclass
@@ -20,7 +27,9 @@ class ModelArgs:
     hidden_dim: int  # MLP intermediate size
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF-style: {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    rope_scaling: dict | None = (
+        None  # HF-style: {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    )
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     max_position_embeddings: int = 8192
@@ -85,11 +94,15 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     scaling = params or dict(cfg.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"unsupported rope type {rope_type!r}: specdec supports {SUPPORTED_ROPE_TYPES}")
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r}: specdec supports {SUPPORTED_ROPE_TYPES}"
+        )
     if rope_type == "default":
         return float(theta), None
     scaling = {k: v for k, v in scaling.items() if k != "type"}
     scaling["rope_type"] = rope_type
     if rope_type == "llama3":
-        scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        scaling.setdefault(
+            "original_max_position_embeddings", cfg.get("max_position_embeddings", 8192)
+        )
     return float(theta), scaling

@@ -16,6 +16,7 @@ top-k / top-p as the request) and q is passed as draft_probs, which is the class
 speculative-sampling setting and accepts more than a top-1 chain; greedy rows of the
 same batch put a one-hot q on their argmax (equivalent to a point mass).
 """
+
 import re
 from dataclasses import dataclass
 
@@ -56,8 +57,10 @@ class TreeSpec:
         else:
             m = re.fullmatch(r"(dynamic|adaptive):(\d+),(\d+),(\d+)", text.strip())
             if not m:
-                raise InvalidTreeSpecError(f"invalid tree spec {text!r}: expected chain:K, "
-                                           "dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL]")
+                raise InvalidTreeSpecError(
+                    f"invalid tree spec {text!r}: expected chain:K, "
+                    "dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL]"
+                )
             spec = cls(m[1], int(m[2]), int(m[3]), int(m[4]))
         spec.validate()
         return spec
@@ -66,24 +69,31 @@ class TreeSpec:
         if self.depth < 1:
             raise InvalidTreeSpecError(f"tree depth must be >= 1, got {self}")
         if self.kind != "chain" and (self.topk < 1 or self.total < 2):
-            raise InvalidTreeSpecError(f"{self.kind} trees need TOPK >= 1 and TOTAL >= 2, got {self}")
+            raise InvalidTreeSpecError(
+                f"{self.kind} trees need TOPK >= 1 and TOTAL >= 2, got {self}"
+            )
         # a TOTAL-node tree holds TOTAL - 1 drafts: deeper levels or more frontier nodes per
         # level than that never make it into the tree, they only cost drafting time
         if self.kind != "chain" and max(self.depth, self.topk) > self.total - 1:
-            raise InvalidTreeSpecError(f"{self} keeps TOTAL - 1 = {self.total - 1} drafts: DEPTH and TOPK "
-                                       "must be <= TOTAL - 1")
+            raise InvalidTreeSpecError(
+                f"{self} keeps TOTAL - 1 = {self.total - 1} drafts: DEPTH and TOPK "
+                "must be <= TOTAL - 1"
+            )
 
     def check_fits(self, max_nodes: int, draft_vocab_size: int | None = None):
         """Bounds that depend on the engine: the padded tree (num_nodes, root included) must
         leave room for a prompt in the model's context (at most max_nodes), and a dynamic level
         cannot pick more tokens than the head's draft vocabulary has."""
         if self.num_nodes > max_nodes:
-            raise InvalidTreeSpecError(f"tree {self} has {self.num_nodes} nodes, more than the cache allows "
-                                       f"(at most {max_nodes}: the model's context of {max_nodes + 1} "
-                                       "positions must also hold the prompt)")
+            raise InvalidTreeSpecError(
+                f"tree {self} has {self.num_nodes} nodes, more than the cache allows "
+                f"(at most {max_nodes}: the model's context of {max_nodes + 1} "
+                "positions must also hold the prompt)"
+            )
         if self.kind != "chain" and draft_vocab_size is not None and self.topk > draft_vocab_size:
-            raise InvalidTreeSpecError(f"{self}: TOPK must be <= the head's draft vocabulary "
-                                       f"({draft_vocab_size} tokens)")
+            raise InvalidTreeSpecError(
+                f"{self}: TOPK must be <= the head's draft vocabulary ({draft_vocab_size} tokens)"
+            )
 
     @property
     def num_nodes(self) -> int:
@@ -110,7 +120,9 @@ class Draft:
     parents: torch.Tensor
     num_nodes: torch.Tensor
     draft_probs: torch.Tensor | None = None
-    confidence: torch.Tensor | None = None  # float [B, T]: the head's probability of each node (adaptive)
+    confidence: torch.Tensor | None = (
+        None  # float [B, T]: the head's probability of each node (adaptive)
+    )
 
     def truncate(self, room: torch.Tensor) -> "Draft":
         """Keep at most room[b] >= 1 nodes of row b (the first ones: topological order keeps
@@ -118,8 +130,13 @@ class Draft:
         T = self.tokens.shape[1]
         num_nodes = torch.minimum(self.num_nodes, room.to(self.num_nodes.dtype))
         keep = torch.arange(T, device=self.tokens.device)[None, :] < num_nodes[:, None]
-        return Draft(self.tokens.masked_fill(~keep, 0), self.parents.masked_fill(~keep, -1),
-                     num_nodes, self.draft_probs, self.confidence)
+        return Draft(
+            self.tokens.masked_fill(~keep, 0),
+            self.parents.masked_fill(~keep, -1),
+            num_nodes,
+            self.draft_probs,
+            self.confidence,
+        )
 
 
 @dataclass
@@ -143,12 +160,16 @@ def plain_draft(root_tokens: torch.Tensor) -> Draft:
     """The drafter switched off: a one-node tree (root only), T = 1."""
     B = root_tokens.shape[0]
     dev = root_tokens.device
-    return Draft(root_tokens[:, None].clone(), torch.full((B, 1), -1, dtype=torch.int32, device=dev),
-                 torch.ones(B, dtype=torch.int32, device=dev))
+    return Draft(
+        root_tokens[:, None].clone(),
+        torch.full((B, 1), -1, dtype=torch.int32, device=dev),
+        torch.ones(B, dtype=torch.int32, device=dev),
+    )
 
 
-def draft(spec: TreeSpec, head, hidden, cache, slots, root_tokens, sampling: BatchSampling,
-          policy=None) -> Draft:
+def draft(
+    spec: TreeSpec, head, hidden, cache, slots, root_tokens, sampling: BatchSampling, policy=None
+) -> Draft:
     """hidden: [B, dim], the head's output at its last committed position (the predicted
     feature of the root's successor); policy: the adaptive.Policy of an adaptive spec."""
     if spec.kind == "chain":
@@ -174,12 +195,21 @@ class HeadTree:
         depth: the draft depth of the new nodes. Returns the head's hidden [B, M, dim]."""
         B, M = tokens.shape
         start, self.n = self.n, self.n + M
-        self.parents[:, start:self.n] = parents.to(torch.int32)
+        self.parents[:, start : self.n] = parents.to(torch.int32)
         num_nodes = torch.full((B,), self.n, dtype=torch.int32, device=tokens.device)
-        tree_mask, _ = ops.build_tree_mask(self.parents[:, :self.n].contiguous(), num_nodes)
+        tree_mask, _ = ops.build_tree_mask(self.parents[:, : self.n].contiguous(), num_nodes)
         positions = (self.base + depth)[:, None].expand(B, M)
-        return self.head(tokens, features, self.cache, self.slots, self.base, start, num_nodes,
-                         tree_mask, positions)
+        return self.head(
+            tokens,
+            features,
+            self.cache,
+            self.slots,
+            self.base,
+            start,
+            num_nodes,
+            tree_mask,
+            positions,
+        )
 
 
 def draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling) -> Draft:
@@ -206,8 +236,10 @@ def draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling) -> Draf
             tokens[:, d] = head.draft_to_target(logits.argmax(-1))
         if d < K:
             parent = torch.full((B, 1), d - 1, device=dev)
-            feature = tree.add(tokens[:, d:d + 1], feature[:, None], parent, depth=d)[:, 0]
-    return Draft(tokens, parents, torch.full((B,), K + 1, dtype=torch.int32, device=dev), draft_probs)
+            feature = tree.add(tokens[:, d : d + 1], feature[:, None], parent, depth=d)[:, 0]
+    return Draft(
+        tokens, parents, torch.full((B,), K + 1, dtype=torch.int32, device=dev), draft_probs
+    )
 
 
 def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) -> Draft:
@@ -240,7 +272,9 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
             break
         start = tree.n
         hidden = tree.add(front_tok, front_feat, front_head_parent, depth=d)  # [B, K, dim]
-        child_lp, child_tok = torch.log_softmax(head.draft_logits(hidden), -1).topk(K, dim=-1)  # [B, K, K]
+        child_lp, child_tok = torch.log_softmax(head.draft_logits(hidden), -1).topk(
+            K, dim=-1
+        )  # [B, K, K]
         child_tok = head.draft_to_target(child_tok)
         child_scores = (scores[:, :, None] + child_lp).flatten(1)  # [B, K*K]
         cand_scores.append(child_scores)
@@ -276,14 +310,18 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
     parents = torch.full((B, T), -1, dtype=torch.int32, device=dev)
     tokens[:, 0] = root_tokens
-    tokens[:, 1:N + 1] = all_tokens.gather(1, order)
-    parents[:, 1:N + 1] = tree_parent.to(torch.int32)
+    tokens[:, 1 : N + 1] = all_tokens.gather(1, order)
+    parents[:, 1 : N + 1] = tree_parent.to(torch.int32)
     confidence = None
     if policy is not None:  # the head's probability of each node's token given its parent
         confidence = torch.ones(B, T, device=dev)
         confidence[:, 1:] = torch.cat(cand_lp, 1).gather(1, order).float().exp()
-    return Draft(tokens, parents, torch.full((B,), N + 1, dtype=torch.int32, device=dev),
-                 confidence=confidence)
+    return Draft(
+        tokens,
+        parents,
+        torch.full((B,), N + 1, dtype=torch.int32, device=dev),
+        confidence=confidence,
+    )
 
 
 def draft_distribution(logits, sampling: BatchSampling):
@@ -310,7 +348,9 @@ def draft_distribution(logits, sampling: BatchSampling):
 
 def sample_rows(probs, generators):
     """Inverse-CDF sample of each row of probs [B, V] with that row's generator -> long [B]."""
-    u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators]).to(probs.device)
+    u = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators]).to(
+        probs.device
+    )
     cum = probs.cumsum(-1)
     idx = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
     # u * total can round up to the total: fall back to the last token with mass

@@ -19,6 +19,7 @@ over the head's own 1-layer PagedKVCache through tree_verify; the caller (drafti
 engine) says which tree nodes are new. Parameters keep our names (layer.attention.wqkv, ...);
 checkpoints use the official EAGLE names (official_state_dict / load_head map them).
 """
+
 import json
 import os
 from dataclasses import replace
@@ -65,8 +66,15 @@ class EagleHead(nn.Module):
     """An EAGLE-1/2/3 draft head over `target` (see the module docstring); args: the target's
     ModelArgs with n_layers = 1 (the head's own decoder layer)."""
 
-    def __init__(self, args: ModelArgs, target: Transformer, version: int = 2, draft_vocab_size: int | None = None,
-                 fc_bias: bool = False, feature_layers: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        args: ModelArgs,
+        target: Transformer,
+        version: int = 2,
+        draft_vocab_size: int | None = None,
+        fc_bias: bool = False,
+        feature_layers: tuple[int, ...] | None = None,
+    ):
         super().__init__()
         if version not in (1, 2, 3):
             raise ValueError(f"EAGLE version must be 1, 2 or 3, got {version}")
@@ -85,16 +93,20 @@ class EagleHead(nn.Module):
             self.hidden_norm = RMSNorm(dim, args.norm_eps)
             self.norm = RMSNorm(dim, args.norm_eps)
             self.lm_head = nn.Linear(dim, draft_vocab_size or args.vocab_size, bias=False)
-            self.feature_layers = tuple(feature_layers or eagle3_feature_layers(target.args.n_layers))
+            self.feature_layers = tuple(
+                feature_layers or eagle3_feature_layers(target.args.n_layers)
+            )
         # Draft vocabulary: draft id i is target id i + d2t[i] (EAGLE-3's convention). An
         # EAGLE-1/2 head drafts through the rows of the target's lm_head it selects
         # (draft_lm_weight, a copy kept next to the head so it follows .to()).
         self.draft_vocab_size = draft_vocab_size or args.vocab_size
         reduced = version == 3 or self.draft_vocab_size < args.vocab_size
-        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long) if reduced else None)
+        self.register_buffer(
+            "d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long) if reduced else None
+        )
         self.register_buffer("draft_lm_weight", None, persistent=False)
         self.register_buffer("inv_freq", inv_freq(args), persistent=False)
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.head_dim**-0.5
         check_head_matches(self, target)
 
     @property
@@ -103,8 +115,13 @@ class EagleHead(nn.Module):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def random(cls, target: Transformer, version: int = 2, seed: int = 0,
-               draft_vocab_size: int | None = None) -> "EagleHead":
+    def random(
+        cls,
+        target: Transformer,
+        version: int = 2,
+        seed: int = 0,
+        draft_vocab_size: int | None = None,
+    ) -> "EagleHead":
         """A freshly initialised head (transformers' init: N(0, 0.02) weights, unit norms),
         same dtype / device as the target; acceptance will be near zero."""
         args = replace(target.args, n_layers=1)
@@ -113,9 +130,17 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             for name, p in head.named_parameters():
                 if "norm" not in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.zeros(p.shape))
+                    p.copy_(
+                        torch.randn(p.shape, generator=gen) * 0.02
+                        if p.dim() > 1
+                        else torch.zeros(p.shape)
+                    )
             if head.draft_vocab_size < args.vocab_size:
-                ids = torch.randperm(args.vocab_size, generator=gen)[: head.draft_vocab_size].sort().values
+                ids = (
+                    torch.randperm(args.vocab_size, generator=gen)[: head.draft_vocab_size]
+                    .sort()
+                    .values
+                )
                 head.d2t.copy_(ids - torch.arange(head.draft_vocab_size))
         head.refresh_draft_vocab()
         w = target.tok_embeddings.weight
@@ -138,14 +163,27 @@ class EagleHead(nn.Module):
         """Re-derives draft_lm_weight from d2t (after d2t was loaded or set) -> self."""
         if self.version < 3:
             w = self.target.output.weight.detach()
-            self.draft_lm_weight = None if self.d2t is None else \
-                w[self.draft_to_target(torch.arange(self.draft_vocab_size, device=w.device))].clone()
+            self.draft_lm_weight = (
+                None
+                if self.d2t is None
+                else w[
+                    self.draft_to_target(torch.arange(self.draft_vocab_size, device=w.device))
+                ].clone()
+            )
         return self
 
     def new_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16) -> PagedKVCache:
         w = self.fc.weight
-        return PagedKVCache(1, self.args.n_kv_heads, self.args.head_dim, num_slots, max_seq_len,
-                            block_size, w.dtype, w.device)
+        return PagedKVCache(
+            1,
+            self.args.n_kv_heads,
+            self.args.head_dim,
+            num_slots,
+            max_seq_len,
+            block_size,
+            w.dtype,
+            w.device,
+        )
 
     # ------------------------------------------------------------------ compute
     def select_features(self, hidden: Tensor | list[Tensor], aux: Tensor | list[Tensor]):
@@ -153,8 +191,18 @@ class EagleHead(nn.Module):
         layer outputs (EAGLE-3); works on [.., dim] tensors and per-request lists alike."""
         return aux if self.version == 3 else hidden
 
-    def forward(self, tokens: Tensor, features: Tensor, cache: PagedKVCache, slots: Tensor, cache_lens: Tensor,
-                start: int, num_nodes: Tensor, tree_mask: Tensor, positions: Tensor) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        features: Tensor,
+        cache: PagedKVCache,
+        slots: Tensor,
+        cache_lens: Tensor,
+        start: int,
+        num_nodes: Tensor,
+        tree_mask: Tensor,
+        positions: Tensor,
+    ) -> Tensor:
         """Run the head on M new nodes of a tree over its cache.
 
         tokens: long [B, M] (target ids); features: [B, M, F] (target features, or the head's
@@ -167,7 +215,9 @@ class EagleHead(nn.Module):
         """
         emb = self.target.tok_embeddings(tokens)
         cos, sin = self._rope(positions)
-        meta = AttentionMetadata.verify(cache, slots, cache_lens, num_nodes, tree_mask, start, tokens.shape[1])
+        meta = AttentionMetadata.verify(
+            cache, slots, cache_lens, num_nodes, tree_mask, start, tokens.shape[1]
+        )
         if self.version < 3:
             x = self.fc(torch.cat((emb, features), dim=-1))
             return self.layer(x, cos, sin, meta)  # attention_norm is the identity
@@ -190,7 +240,9 @@ class EagleHead(nn.Module):
 
     def scatter_to_target(self, draft_values: Tensor, fill: float) -> Tensor:
         """draft_values: [..., Vd] over draft ids -> [..., V] over target ids, `fill` elsewhere."""
-        if self.d2t is None or (self.draft_vocab_size == self.args.vocab_size and not self.d2t.any()):
+        if self.d2t is None or (
+            self.draft_vocab_size == self.args.vocab_size and not self.d2t.any()
+        ):
             return draft_values
         out = draft_values.new_full((*draft_values.shape[:-1], self.args.vocab_size), fill)
         ids = self.draft_to_target(torch.arange(self.draft_vocab_size, device=draft_values.device))
@@ -214,8 +266,11 @@ class EagleHead(nn.Module):
             sd["fc.bias"] = self.fc.bias
         for ours, theirs in _LAYER_KEYS.items():
             mod = self.layer.get_submodule(ours)
-            sizes = self.layer.attention.qkv_sizes if ours == "attention.wqkv" else \
-                [mod.weight.shape[0] // len(theirs)] * len(theirs)
+            sizes = (
+                self.layer.attention.qkv_sizes
+                if ours == "attention.wqkv"
+                else [mod.weight.shape[0] // len(theirs)] * len(theirs)
+            )
             for name, w in zip(theirs, mod.weight.split(sizes)):
                 sd[f"{prefix}{name}.weight"] = w
             if getattr(mod, "bias", None) is not None:
@@ -224,10 +279,16 @@ class EagleHead(nn.Module):
         if self.version < 3 and self.d2t is not None:
             sd["d2t"] = self.d2t  # our extension: drafting over these target rows only
         if self.version == 3:
-            sd.update({"midlayer.input_layernorm.weight": self.layer.attention_norm.weight,
-                       "midlayer.hidden_norm.weight": self.hidden_norm.weight,
-                       "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
-                       "d2t": self.d2t, "t2d": self._t2d()})
+            sd.update(
+                {
+                    "midlayer.input_layernorm.weight": self.layer.attention_norm.weight,
+                    "midlayer.hidden_norm.weight": self.hidden_norm.weight,
+                    "norm.weight": self.norm.weight,
+                    "lm_head.weight": self.lm_head.weight,
+                    "d2t": self.d2t,
+                    "t2d": self._t2d(),
+                }
+            )
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def _t2d(self) -> Tensor:
@@ -238,12 +299,21 @@ class EagleHead(nn.Module):
     def hf_config(self) -> dict:
         a = self.args
         cfg = {
-            "architectures": ["LlamaForCausalLMEagle3" if self.version == 3 else "LlamaForCausalLM"],
-            "model_type": "llama", "hidden_size": a.dim, "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
-            "intermediate_size": a.hidden_dim, "num_hidden_layers": 1, "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta, "vocab_size": a.vocab_size,
-            "max_position_embeddings": a.max_position_embeddings, "hidden_act": "silu",
+            "architectures": [
+                "LlamaForCausalLMEagle3" if self.version == 3 else "LlamaForCausalLM"
+            ],
+            "model_type": "llama",
+            "hidden_size": a.dim,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim,
+            "intermediate_size": a.hidden_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_position_embeddings,
+            "hidden_act": "silu",
             "eagle_version": self.version,
         }
         if a.rope_scaling:
@@ -265,14 +335,21 @@ class EagleHead(nn.Module):
 def check_head_matches(head: EagleHead, target: Transformer) -> None:
     t, h = target.args, head.args
     if h.dim != t.dim:
-        raise HeadMismatchError(f"EAGLE head hidden size {h.dim} does not match the target's {t.dim}")
+        raise HeadMismatchError(
+            f"EAGLE head hidden size {h.dim} does not match the target's {t.dim}"
+        )
     if h.vocab_size != t.vocab_size:
         raise HeadMismatchError(
-            f"EAGLE head vocabulary {h.vocab_size} does not match the target's {t.vocab_size}")
+            f"EAGLE head vocabulary {h.vocab_size} does not match the target's {t.vocab_size}"
+        )
     layers = list(head.feature_layers)
-    if layers and not (layers == sorted(set(layers)) and 0 <= layers[0] and layers[-1] < t.n_layers):
-        raise HeadMismatchError(f"EAGLE-3 feature layers {layers} are not distinct increasing layers "
-                                f"of a {t.n_layers}-layer target")
+    if layers and not (
+        layers == sorted(set(layers)) and 0 <= layers[0] and layers[-1] < t.n_layers
+    ):
+        raise HeadMismatchError(
+            f"EAGLE-3 feature layers {layers} are not distinct increasing layers "
+            f"of a {t.n_layers}-layer target"
+        )
 
 
 # ---------------------------------------------------------------------- loading
@@ -281,7 +358,9 @@ def load_head(path: str, target: Transformer) -> EagleHead:
     pytorch_model.bin, in the official EAGLE(-3) layout or ours (same names)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ModelLoadError(f"EAGLE head {path!r}: no config.json (expected an EAGLE head directory)")
+        raise ModelLoadError(
+            f"EAGLE head {path!r}: no config.json (expected an EAGLE head directory)"
+        )
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -294,27 +373,45 @@ def load_head(path: str, target: Transformer) -> EagleHead:
         return _build_head(path, cfg, sd, target)
     except SpecdecError:
         raise
-    except (TypeError, ValueError, AttributeError, IndexError) as e:  # config values of the wrong type
-        raise ModelLoadError(f"EAGLE head {path!r}: invalid config.json or weights: "
-                             f"{type(e).__name__}: {e}") from None
+    except (
+        TypeError,
+        ValueError,
+        AttributeError,
+        IndexError,
+    ) as e:  # config values of the wrong type
+        raise ModelLoadError(
+            f"EAGLE head {path!r}: invalid config.json or weights: {type(e).__name__}: {e}"
+        ) from None
 
 
 def _build_head(path: str, cfg: dict, sd: dict, target) -> EagleHead:
     version = 3 if any(k.startswith("midlayer.") for k in sd) else 2
     try:
-        args = ModelArgs.from_hf_config({**cfg, "model_type": cfg.get("model_type", "llama"),
-                                         "num_hidden_layers": 1})
+        args = ModelArgs.from_hf_config(
+            {**cfg, "model_type": cfg.get("model_type", "llama"), "num_hidden_layers": 1}
+        )
     except KeyError as e:
         raise ModelLoadError(f"EAGLE head {path!r}: config.json lacks {e}") from None
     prefix = "midlayer." if version == 3 else "layers.0."
     args = replace(args, attention_bias=f"{prefix}self_attn.q_proj.bias" in sd)
     feature_layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     # EAGLE-3: the trained lm_head's rows; EAGLE-1/2 (ours): a d2t selecting target rows
-    draft_vocab = sd["lm_head.weight"].shape[0] if version == 3 and "lm_head.weight" in sd else \
-        sd["d2t"].shape[0] if version < 3 and "d2t" in sd else None
+    draft_vocab = (
+        sd["lm_head.weight"].shape[0]
+        if version == 3 and "lm_head.weight" in sd
+        else sd["d2t"].shape[0]
+        if version < 3 and "d2t" in sd
+        else None
+    )
     _check_fc(sd, args, version, target)
-    head = EagleHead(args, target, version, draft_vocab, fc_bias="fc.bias" in sd,
-                     feature_layers=tuple(feature_layers) if feature_layers else None)
+    head = EagleHead(
+        args,
+        target,
+        version,
+        draft_vocab,
+        fc_bias="fc.bias" in sd,
+        feature_layers=tuple(feature_layers) if feature_layers else None,
+    )
     _load_official(head, sd, prefix, path)
     w = target.tok_embeddings.weight
     return head.to(dtype=w.dtype, device=w.device).eval()
@@ -325,8 +422,12 @@ def _read_weights(path: str) -> dict[str, Tensor]:
         return _read_weight_files(path)
     except ModelLoadError:
         raise
-    except Exception as e:  # SafetensorError, unpickling errors, OSError: corrupt or truncated files
-        raise ModelLoadError(f"EAGLE head {path!r}: cannot read its weights: {type(e).__name__}: {e}") from None
+    except (
+        Exception
+    ) as e:  # SafetensorError, unpickling errors, OSError: corrupt or truncated files
+        raise ModelLoadError(
+            f"EAGLE head {path!r}: cannot read its weights: {type(e).__name__}: {e}"
+        ) from None
 
 
 def _read_weight_files(path: str) -> dict[str, Tensor]:
@@ -339,7 +440,9 @@ def _read_weight_files(path: str) -> dict[str, Tensor]:
     bin_path = os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(bin_path):
         return torch.load(bin_path, map_location="cpu", weights_only=True)
-    raise ModelLoadError(f"EAGLE head {path!r}: no *.safetensors or pytorch_model.bin next to config.json")
+    raise ModelLoadError(
+        f"EAGLE head {path!r}: no *.safetensors or pytorch_model.bin next to config.json"
+    )
 
 
 def _check_fc(sd, args, version, target):
@@ -350,7 +453,8 @@ def _check_fc(sd, args, version, target):
     if got != (target.args.dim, want):
         raise HeadMismatchError(
             f"EAGLE-{version} head fc.weight is {list(got)}, expected [{target.args.dim}, {want}] "
-            f"for a target of hidden size {target.args.dim}")
+            f"for a target of hidden size {target.args.dim}"
+        )
 
 
 def _load_official(head: EagleHead, sd: dict, prefix: str, path: str):
@@ -364,10 +468,15 @@ def _load_official(head: EagleHead, sd: dict, prefix: str, path: str):
                 if all(p is not None for p in parts):
                     ours[f"layer.{name}.{kind}"] = torch.cat(parts)
         if head.version == 3:
-            ours.update({"layer.attention_norm.weight": sd["midlayer.input_layernorm.weight"],
-                         "hidden_norm.weight": sd["midlayer.hidden_norm.weight"],
-                         "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"],
-                         "d2t": sd.get("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long))})
+            ours.update(
+                {
+                    "layer.attention_norm.weight": sd["midlayer.input_layernorm.weight"],
+                    "hidden_norm.weight": sd["midlayer.hidden_norm.weight"],
+                    "norm.weight": sd["norm.weight"],
+                    "lm_head.weight": sd["lm_head.weight"],
+                    "d2t": sd.get("d2t", torch.zeros(head.draft_vocab_size, dtype=torch.long)),
+                }
+            )
         elif head.d2t is not None:
             ours["d2t"] = sd["d2t"]
     except KeyError as e:
@@ -378,10 +487,15 @@ def _load_official(head: EagleHead, sd: dict, prefix: str, path: str):
         raise ModelLoadError(f"EAGLE head {path!r}: missing weights {missing}")
     for k, v in ours.items():
         if tuple(v.shape) != tuple(expected[k]):
-            raise HeadMismatchError(f"EAGLE head {path!r}: {k} has shape {list(v.shape)}, "
-                                    f"expected {list(expected[k])}")
+            raise HeadMismatchError(
+                f"EAGLE head {path!r}: {k} has shape {list(v.shape)}, expected {list(expected[k])}"
+            )
     head.load_state_dict(ours)
-    d2t = head.draft_to_target(torch.arange(head.draft_vocab_size)) if head.d2t is not None else None
+    d2t = (
+        head.draft_to_target(torch.arange(head.draft_vocab_size)) if head.d2t is not None else None
+    )
     if d2t is not None and not (d2t.min() >= 0 and d2t.max() < head.args.vocab_size):
-        raise HeadMismatchError(f"EAGLE head {path!r}: d2t maps draft ids outside the target vocabulary")
+        raise HeadMismatchError(
+            f"EAGLE head {path!r}: d2t maps draft ids outside the target vocabulary"
+        )
     head.refresh_draft_vocab()

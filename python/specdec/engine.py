@@ -16,6 +16,7 @@ loops over it. Not thread-safe: submit and step from one thread. Each request
 has its own torch.Generator feeding its uniforms (and chain-draft samples), so what it
 generates does not depend on its batch-mates.
 """
+
 import collections
 import heapq
 import itertools
@@ -57,14 +58,24 @@ class SamplingParams:
         if not isinstance(t, (int, float)) or not (t >= 0 and t < float("inf")):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise InvalidRequestError(
+                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"
+            )
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+            raise InvalidRequestError(
+                f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}"
+            )
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+            raise InvalidRequestError(
+                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}"
+            )
         # the range torch.Generator.manual_seed accepts
-        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
-            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise InvalidRequestError(
+                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}"
+            )
 
 
 @dataclass
@@ -132,7 +143,7 @@ class RequestHandle:
 
     def new_tokens(self) -> list:
         """Tokens gained since the last new_tokens() (or since submission)."""
-        tokens = self._seq.tokens[self._read:]
+        tokens = self._seq.tokens[self._read :]
         self._read += len(tokens)
         return tokens
 
@@ -174,10 +185,19 @@ class Engine:
     Every argument is checked here, before any work (a tree that cannot fit the cache, caches
     larger than the memory left): InvalidTreeSpecError / InvalidRequestError."""
 
-    def __init__(self, model: "Transformer", tokenizer: "Tokenizer | None" = None, head: "EagleHead | None" = None,
-                 tree: TreeSpec | str = TreeSpec.DEFAULT, batch_size: int = 1, max_seq_len: int | None = None,
-                 block_size: int = 16, eos_token_ids: Iterable[int] | None = None,
-                 cost_model: CostModel | None = None, drafter: Drafter | None = None):
+    def __init__(
+        self,
+        model: "Transformer",
+        tokenizer: "Tokenizer | None" = None,
+        head: "EagleHead | None" = None,
+        tree: TreeSpec | str = TreeSpec.DEFAULT,
+        batch_size: int = 1,
+        max_seq_len: int | None = None,
+        block_size: int = 16,
+        eos_token_ids: Iterable[int] | None = None,
+        cost_model: CostModel | None = None,
+        drafter: Drafter | None = None,
+    ):
         if drafter is None:
             from .drafters.eagle import EagleDrafter
             from .drafters.plain import PlainDrafter
@@ -186,14 +206,20 @@ class Engine:
         elif head is not None:
             raise InvalidRequestError("pass either head= or drafter=, not both")
         elif not isinstance(drafter, Drafter):
-            raise InvalidRequestError(f"drafter must be a specdec.drafters.Drafter, got {drafter!r}")
+            raise InvalidRequestError(
+                f"drafter must be a specdec.drafters.Drafter, got {drafter!r}"
+            )
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.head = getattr(drafter, "head", None)
         self.tree = TreeSpec.parse(tree) if isinstance(tree, str) else tree
         if not isinstance(self.tree, TreeSpec):
             raise InvalidTreeSpecError(f"tree must be a TreeSpec or its string form, got {tree!r}")
         self.tree.validate()
-        for name, value in (("batch_size", batch_size), ("block_size", block_size), ("max_seq_len", max_seq_len)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("block_size", block_size),
+            ("max_seq_len", max_seq_len),
+        ):
             if value is None and name == "max_seq_len":
                 continue  # the default
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -209,11 +235,15 @@ class Engine:
         drafter.check(self.tree, max_pos - 1)
         cache_len = min(max_seq_len + T, max_pos)
         capacity = min(max_seq_len, -(-cache_len // block_size) * block_size - T)
-        self._check_memory(batch_size, block_size, cache_len, drafter.cache_positions(self.tree, capacity), T)
+        self._check_memory(
+            batch_size, block_size, cache_len, drafter.cache_positions(self.tree, capacity), T
+        )
         try:
             self.cache = model.new_cache(batch_size, cache_len, block_size)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            raise InvalidRequestError(f"cannot allocate the KV cache for batch_size {batch_size}: {e}") from None
+            raise InvalidRequestError(
+                f"cannot allocate the KV cache for batch_size {batch_size}: {e}"
+            ) from None
         self.capacity = min(max_seq_len, self.cache.capacity - T)
         self.max_seq_len, self.tree_slack = max_seq_len, T
         self.feature_layers = tuple(drafter.feature_layers)
@@ -221,7 +251,9 @@ class Engine:
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None
         if drafter.adaptive and self.tree.kind == "adaptive":
-            self.policy = Policy(cost_model or drafter.measure_cost(model, self.tree, batch_size), self.tree)
+            self.policy = Policy(
+                cost_model or drafter.measure_cost(model, self.tree, batch_size), self.tree
+            )
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
@@ -239,17 +271,23 @@ class Engine:
         blocks = -(-cache_len // block_size) * a.n_layers + -(-head_len // block_size)
         per_position = 2 * a.n_kv_heads * a.head_dim * itemsize  # k and v
         need = batch_size * per_position * block_size * blocks
-        need += 2 * batch_size * T * a.vocab_size * 4  # the verify logits, float32, and the sampler's copy
+        need += (
+            2 * batch_size * T * a.vocab_size * 4
+        )  # the verify logits, float32, and the sampler's copy
         free = _free_memory(self.device)
         if free is not None and need > free:
             raise InvalidRequestError(
                 f"batch_size {batch_size} needs about {need / 2**30:.1f} GiB for its KV caches "
                 f"({cache_len} positions per request) and logits, more than the {free / 2**30:.1f} GiB "
-                f"free on {self.device}: lower batch_size or max_seq_len")
+                f"free on {self.device}: lower batch_size or max_seq_len"
+            )
 
     # ------------------------------------------------------------------ public API
-    def generate(self, requests: Iterable[Request | Sequence[int]],
-                 progress: Callable[[Result], None] | None = None) -> tuple[list[Result], Stats]:
+    def generate(
+        self,
+        requests: Iterable[Request | Sequence[int]],
+        progress: Callable[[Result], None] | None = None,
+    ) -> tuple[list[Result], Stats]:
         """Runs every request to completion -> (list[Result] in input order, aggregate Stats).
         progress: optional callable(result) invoked as each request finishes (for an invalid
         request: at the start, before any work)."""
@@ -258,8 +296,11 @@ class Engine:
             pass
         return run.results, run.stats
 
-    def stream(self, requests: Iterable[Request | Sequence[int]],
-               on_finish: Callable[[Result], None] | None = None) -> "Run":
+    def stream(
+        self,
+        requests: Iterable[Request | Sequence[int]],
+        on_finish: Callable[[Result], None] | None = None,
+    ) -> "Run":
         """An iterator of (request_id, new_token_ids) as tokens are accepted; once it is
         exhausted, .results and .stats hold the outputs. A loop over step() (requests the
         engine was already serving, e.g. submit()ted ones, advance with these).
@@ -282,8 +323,9 @@ class Engine:
         return Run(self, requests, on_finish, rejected)
 
     # ------------------------------------------------------------------ online API
-    def submit(self, request: Request | Sequence[int],
-               on_finish: Callable[[Result], None] | None = None) -> "RequestHandle":
+    def submit(
+        self, request: Request | Sequence[int], on_finish: Callable[[Result], None] | None = None
+    ) -> "RequestHandle":
         """Queues one request, at any time (between steps) -> its RequestHandle. It takes a
         slot at the next step() that finds one free (continuous batching: up to batch_size
         requests decode together, the others wait in arrival order). Its time to first token
@@ -299,7 +341,9 @@ class Engine:
         if req.id is None:
             req.id = next(i for i in self._ids if i not in in_flight)
         elif req.id in in_flight:
-            raise InvalidRequestError(f"request {req.id!r}: a request with this id is still in flight")
+            raise InvalidRequestError(
+                f"request {req.id!r}: a request with this id is still in flight"
+            )
         self.validate(req)
         return self._enqueue(req, time.perf_counter(), on_finish)
 
@@ -338,7 +382,9 @@ class Engine:
         """InvalidRequestError (message prefixed with the request's id) if the engine cannot
         serve req."""
         if not isinstance(req.params, SamplingParams):
-            raise InvalidRequestError(f"request {req.id!r}: params must be a SamplingParams, got {req.params!r}")
+            raise InvalidRequestError(
+                f"request {req.id!r}: params must be a SamplingParams, got {req.params!r}"
+            )
         try:
             req.params.validate()
         except InvalidRequestError as e:
@@ -348,17 +394,26 @@ class Engine:
             for t in req.prompt_ids:
                 operator.index(t)  # ints (Python, numpy, integer tensors); not floats or strings
         except TypeError:
-            raise InvalidRequestError(f"request {req.id!r}: prompt_ids must be a list of integer token ids, "
-                                      f"got {req.prompt_ids!r:.80}") from None
+            raise InvalidRequestError(
+                f"request {req.id!r}: prompt_ids must be a list of integer token ids, "
+                f"got {req.prompt_ids!r:.80}"
+            ) from None
         V = self.model.args.vocab_size
         if n == 0:
             raise InvalidRequestError(f"request {req.id!r}: empty prompt")
         if n > self.capacity:
-            why = "" if self.capacity >= self.max_seq_len else (
-                f": the model's context of {self.model.args.max_position_embeddings} positions less "
-                f"{self.tree_slack} for the verified tree")
-            raise InvalidRequestError(f"request {req.id!r}: prompt of {n} tokens is longer than the "
-                                      f"cache ({self.capacity} positions per request{why})")
+            why = (
+                ""
+                if self.capacity >= self.max_seq_len
+                else (
+                    f": the model's context of {self.model.args.max_position_embeddings} positions less "
+                    f"{self.tree_slack} for the verified tree"
+                )
+            )
+            raise InvalidRequestError(
+                f"request {req.id!r}: prompt of {n} tokens is longer than the "
+                f"cache ({self.capacity} positions per request{why})"
+            )
         if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= V:
             raise InvalidRequestError(f"request {req.id!r}: prompt token ids must be in [0, {V})")
         if req.params.stop and self.tokenizer is None:
@@ -400,7 +455,9 @@ class Engine:
             self._retire()
             if self._active:
                 active = self._active
-                out_tokens, num_accepted = self._verify_step(active, timers + [s.stats for s in active])
+                out_tokens, num_accepted = self._verify_step(
+                    active, timers + [s.stats for s in active]
+                )
                 for s, toks, a in zip(active, out_tokens.tolist(), num_accepted.tolist()):
                     if s.error is None:
                         self._emit(s, toks[: a + 1], events)
@@ -454,8 +511,16 @@ class Engine:
             prompt_ids = list(s.req.prompt_ids)
         except TypeError:  # a rejected request's
             prompt_ids = []
-        result = Result(s.req.id, s.req.prompt, prompt_ids, list(s.tokens), s.text,
-                        s.finish_reason, s.stats, s.error)
+        result = Result(
+            s.req.id,
+            s.req.prompt,
+            prompt_ids,
+            list(s.tokens),
+            s.text,
+            s.finish_reason,
+            s.stats,
+            s.error,
+        )
         if s.handle is not None:
             s.handle.result = result
         if s.on_finish is not None:
@@ -478,18 +543,24 @@ class Engine:
         """Prompt forward of newly admitted requests, first token on a one-node tree, and
         the drafter's start. Returns the first tokens (long [B])."""
         slots = self._slots(seqs)
-        prompts = [torch.tensor([int(t) for t in s.req.prompt_ids], dtype=torch.long, device=self.device)
-                   for s in seqs]
+        prompts = [
+            torch.tensor([int(t) for t in s.req.prompt_ids], dtype=torch.long, device=self.device)
+            for s in seqs
+        ]
         with timed(self.device, "prefill", all_stats):
             out = self.model.prefill(prompts, self.cache, slots, self.feature_layers)
             B = len(seqs)
             root = root_only(torch.zeros(B, dtype=torch.long, device=self.device))
             _, _, first = self._sample(self._sampling(seqs), out.logits[:, None], root, seqs)
             first = first[:, 0].long()
-            self.drafter.start(slots, prompts, first, out.hidden, out.aux, [s.error is None for s in seqs])
+            self.drafter.start(
+                slots, prompts, first, out.hidden, out.aux, [s.error is None for s in seqs]
+            )
         return first
 
-    def _verify_step(self, seqs: list[_Seq], all_stats: list[Stats]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_step(
+        self, seqs: list[_Seq], all_stats: list[Stats]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft / verify / accept round. Returns (output_tokens int32 [B, T] -1 padded,
         num_accepted int32 [B])."""
         slots = self._slots(seqs)
@@ -506,25 +577,54 @@ class Engine:
             d = d.truncate(room)
         with timed(self.device, "verify", all_stats):
             tree_mask, depth = ops.build_tree_mask(d.parents, d.num_nodes)
-            out = self.model(d.tokens, self.cache, slots, d.num_nodes, tree_mask, depth, self.feature_layers)
+            out = self.model(
+                d.tokens, self.cache, slots, d.num_nodes, tree_mask, depth, self.feature_layers
+            )
         with timed(self.device, "sample", all_stats):
-            accepted_nodes, num_accepted, output_tokens = self._sample(sampling, out.logits, d, seqs)
+            accepted_nodes, num_accepted, output_tokens = self._sample(
+                sampling, out.logits, d, seqs
+            )
             ok = [b for b, s in enumerate(seqs) if s.error is None]
             if d.confidence is not None and self.policy is not None and ok:
                 if len(ok) < len(seqs):  # learn from the requests that sampled
                     rows = torch.tensor(ok, device=self.device)
-                    self.policy.observe(Proposal(d.tokens[rows], d.parents[rows], d.num_nodes[rows], None,
-                                              d.confidence[rows]), depth[rows], accepted_nodes[rows],
-                                        num_accepted[rows])
+                    self.policy.observe(
+                        Proposal(
+                            d.tokens[rows],
+                            d.parents[rows],
+                            d.num_nodes[rows],
+                            None,
+                            d.confidence[rows],
+                        ),
+                        depth[rows],
+                        accepted_nodes[rows],
+                        num_accepted[rows],
+                    )
                 else:
                     self.policy.observe(d, depth, accepted_nodes, num_accepted)
         with timed(self.device, "compact", all_stats):
-            ops.compact_kv(self.cache.k, self.cache.v, self.cache.block_table[slots],
-                           self.cache.cache_lens[slots], accepted_nodes, num_accepted)
+            ops.compact_kv(
+                self.cache.k,
+                self.cache.v,
+                self.cache.block_table[slots],
+                self.cache.cache_lens[slots],
+                accepted_nodes,
+                num_accepted,
+            )
             self.cache.cache_lens[slots] += num_accepted + 1
         with timed(self.device, "draft", all_stats):
-            self.drafter.commit(slots, d, StepResult(accepted_nodes, num_accepted, output_tokens, out.hidden,
-                                                     out.aux, [s.error is None for s in seqs]))
+            self.drafter.commit(
+                slots,
+                d,
+                StepResult(
+                    accepted_nodes,
+                    num_accepted,
+                    output_tokens,
+                    out.hidden,
+                    out.aux,
+                    [s.error is None for s in seqs],
+                ),
+            )
         tree_depth = depth.max(dim=1).values.tolist()
         for s, a, n, dep in zip(seqs, num_accepted.tolist(), d.num_nodes.tolist(), tree_depth):
             if s.error is None:
@@ -538,10 +638,13 @@ class Engine:
     def _sampling(self, seqs) -> BatchSampling:
         p = [s.req.params for s in seqs]
         return BatchSampling(
-            temperature=torch.tensor([x.temperature for x in p], dtype=torch.float32, device=self.device),
+            temperature=torch.tensor(
+                [x.temperature for x in p], dtype=torch.float32, device=self.device
+            ),
             top_k=torch.tensor([x.top_k for x in p], dtype=torch.int32, device=self.device),
             top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
-            generators=[s.generator for s in seqs])
+            generators=[s.generator for s in seqs],
+        )
 
     def _sample(self, sp: BatchSampling, logits, d, seqs):
         """tree_rejection_sample with each request's parameters and its own uniforms.
@@ -550,16 +653,29 @@ class Engine:
         sampled alone, with the same uniforms, to find the culprits: those requests get
         .finish_reason "error" and an inert row (root accepted, no token); the others get
         exactly what the batched call would have given them."""
-        uniforms = ops.make_uniforms(len(sp.generators), logits.shape[1], self.device, sp.generators)
-        args = (logits, d.tokens, d.parents, d.num_nodes, d.draft_probs, sp.temperature, sp.top_k,
-                sp.top_p, uniforms)
+        uniforms = ops.make_uniforms(
+            len(sp.generators), logits.shape[1], self.device, sp.generators
+        )
+        args = (
+            logits,
+            d.tokens,
+            d.parents,
+            d.num_nodes,
+            d.draft_probs,
+            sp.temperature,
+            sp.top_k,
+            sp.top_p,
+            uniforms,
+        )
         try:
             return ops.tree_rejection_sample(*args)
         except (RuntimeError, ValueError):
             rows, failed = [], {}
             for b in range(len(seqs)):
                 try:
-                    rows.append(ops.tree_rejection_sample(*(a if a is None else a[b:b + 1] for a in args)))
+                    rows.append(
+                        ops.tree_rejection_sample(*(a if a is None else a[b : b + 1] for a in args))
+                    )
                 except (RuntimeError, ValueError) as e:
                     failed[b] = str(e).strip().splitlines()[0]
                     rows.append(None)
@@ -571,7 +687,11 @@ class Engine:
             seqs[b].error = f"request {seqs[b].req.id!r}: sampling failed: {msg}"
             inert = torch.full((1, T), -1, dtype=torch.int32, device=self.device)
             inert[0, 0] = 0
-            rows[b] = (inert, torch.zeros(1, dtype=torch.int32, device=self.device), inert.new_full((1, T), -1))
+            rows[b] = (
+                inert,
+                torch.zeros(1, dtype=torch.int32, device=self.device),
+                inert.new_full((1, T), -1),
+            )
         return tuple(torch.cat(parts) for parts in zip(*rows))
 
 
@@ -634,11 +754,23 @@ class Run:
         eng = self.engine
         start = time.perf_counter()
         for index, message in sorted(self.rejected.items()):  # reported together, before any work
-            s = _Seq(self.requests[index], -1, None, Stats(), start, start, finish_reason="error", error=message,
-                     on_finish=lambda r, i=index: self._done(i, r, ran=False))
+            s = _Seq(
+                self.requests[index],
+                -1,
+                None,
+                Stats(),
+                start,
+                start,
+                finish_reason="error",
+                error=message,
+                on_finish=lambda r, i=index: self._done(i, r, ran=False),
+            )
             eng._finish(s)
-        mine = [eng._enqueue(r, start, lambda res, i=i: self._done(i, res), owner=self)
-                for i, r in enumerate(self.requests) if i not in self.rejected]
+        mine = [
+            eng._enqueue(r, start, lambda res, i=i: self._done(i, res), owner=self)
+            for i, r in enumerate(self.requests)
+            if i not in self.rejected
+        ]
         eng._timers.append(self.engine_stats)
         try:
             while not all(h.done for h in mine):

@@ -5,6 +5,7 @@ q/k projections (as transformers' GGUF loader does), and writes model.safetensor
 generation_config.json, tokenizer.json and tokenizer_config.json. The result loads with
 `LlamaForCausalLM.from_pretrained(dir)` and with specdec's own loader.
 """
+
 import json
 import os
 
@@ -22,9 +23,14 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 # Byte-level BPE pre-tokenisations that are plain GPT-2 ByteLevel splitting. ("smollm" splits digits
@@ -43,23 +49,34 @@ def convert_gguf(gguf_path: str, out_dir: str):
     meta = _metadata(reader)
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise ModelLoadError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+        raise ModelLoadError(
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported (only 'llama')"
+        )
     config = _hf_config(meta, tied="output.weight" not in {t.name for t in reader.tensors})
-    save_file(_state_dict(reader, config), os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        _state_dict(reader, config),
+        os.path.join(out_dir, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     tokenizer, tok_config, eos_ids = _tokenizer(meta, gguf_path)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids}
-    for name, obj in (("config.json", config), ("tokenizer_config.json", tok_config),
-                      ("generation_config.json", generation)):
+    for name, obj in (
+        ("config.json", config),
+        ("tokenizer_config.json", tok_config),
+        ("generation_config.json", generation),
+    ):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
 def _metadata(reader) -> dict:
     """Scalar / string / array fields of the GGUF header as Python values."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+    return {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if not name.startswith("GGUF.")
+    }
 
 
 def _f32(x) -> float:
@@ -89,7 +106,8 @@ def _hf_config(meta: dict, tied: bool) -> dict:
         "rms_norm_eps": _f32(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": _f32(g("rope.freq_base", 10000.0)),
         "rope_scaling": {"rope_type": "linear", "factor": _f32(g("rope.scaling.factor"))}
-        if scaling == "linear" else None,
+        if scaling == "linear"
+        else None,
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": tied,
@@ -134,8 +152,11 @@ def _state_dict(reader, config) -> dict:
 
 def bytes_to_unicode() -> dict:
     """GPT-2's reversible byte -> printable character map of byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -153,23 +174,45 @@ def _tokenizer(meta: dict, gguf_path: str):
     """
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
     if kind != "gpt2" or pre not in _BYTE_LEVEL_PRE:
-        raise ModelLoadError(f"{gguf_path}: GGUF tokenizer {kind!r} / pre-tokenizer {pre!r} is not "
-                             f"supported (byte-level BPE with pre-tokenizer in {_BYTE_LEVEL_PRE})")
+        raise ModelLoadError(
+            f"{gguf_path}: GGUF tokenizer {kind!r} / pre-tokenizer {pre!r} is not "
+            f"supported (byte-level BPE with pre-tokenizer in {_BYTE_LEVEL_PRE})"
+        )
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type")
     types = types or [1] * len(tokens)
     spell = bytes_to_unicode()
     alphabet = set(spell.values())
-    vocab = {(t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i
-             for i, t in enumerate(tokens)}
+    vocab = {
+        (t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
+    }
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                            for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                    for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    tok.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, k in zip(tokens, types)
+            if k == _CONTROL and set(t) <= alphabet
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, k in zip(tokens, types)
+            if k == _USER_DEFINED
+        ]
+    )
 
     name = lambda key: tokens[meta[key]] if key in meta else None  # noqa: E731
     tok_config = {
@@ -184,9 +227,14 @@ def _tokenizer(meta: dict, gguf_path: str):
     if tok_config["add_bos_token"] and tok_config["bos_token"]:
         bos = tok_config["bos_token"]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, meta["tokenizer.ggml.bos_token_id"])])
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, meta["tokenizer.ggml.bos_token_id"])],
+        )
     eos_ids = [meta["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in meta else []
-    eos_ids += [i for i, (t, k) in enumerate(zip(tokens, types))
-                if k == _CONTROL and t in _END_OF_TURN and i not in eos_ids]
+    eos_ids += [
+        i
+        for i, (t, k) in enumerate(zip(tokens, types))
+        if k == _CONTROL and t in _END_OF_TURN and i not in eos_ids
+    ]
     return tok, tok_config, eos_ids

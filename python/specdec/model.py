@@ -11,6 +11,7 @@ prefill() runs whole prompts with causal SDPA; forward() verifies a batch of dra
 (a plain decode step is the one-node tree) with the tree_verify op in every layer.
 Shapes: B requests, T tokens (tree nodes) each, Hq / Hkv query / KV heads of size D, V vocab.
 """
+
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 class PrefillOut(NamedTuple):
     logits: Tensor  # [B, V] float32 at the last prompt position
     hidden: list[Tensor]  # per request [S_b, dim], final-norm output
-    aux: list[Tensor]  # per request [S_b, len(feature_layers) * dim], pre-norm outputs of feature_layers
+    aux: list[
+        Tensor
+    ]  # per request [S_b, len(feature_layers) * dim], pre-norm outputs of feature_layers
 
 
 class VerifyOut(NamedTuple):
@@ -56,10 +59,14 @@ class AttentionMetadata:
     mode: Literal["prefill", "verify"]
     cache: PagedKVCache
     rows: Tensor  # int64 [N]: physical cache rows of the new tokens (PagedKVCache.rows)
-    picked: Tensor | None = None  # int64 [N]: the valid entries of the flattened [B * M] new tokens; None: all
+    picked: Tensor | None = (
+        None  # int64 [N]: the valid entries of the flattened [B * M] new tokens; None: all
+    )
     block_table: Tensor | None = None  # verify: int32 [B, blocks_per_slot], the batch's slots
     cache_lens: Tensor | None = None  # verify: int32 [B], logical position of tree node 0
-    num_nodes: Tensor | None = None  # verify: int32 [B]; nodes at or past it are padding (not written)
+    num_nodes: Tensor | None = (
+        None  # verify: int32 [B]; nodes at or past it are padding (not written)
+    )
     tree_mask: Tensor | None = None  # verify: int64 [B, T, ceil(T / 64)] from build_tree_mask
     start: int = 0  # verify: tree node of the first new token
 
@@ -70,17 +77,36 @@ class AttentionMetadata:
         return cls("prefill", cache, rows)
 
     @classmethod
-    def verify(cls, cache: PagedKVCache, slots: Tensor, cache_lens: Tensor, num_nodes: Tensor,
-               tree_mask: Tensor, start: int = 0, num_new: int | None = None) -> "AttentionMetadata":
+    def verify(
+        cls,
+        cache: PagedKVCache,
+        slots: Tensor,
+        cache_lens: Tensor,
+        num_nodes: Tensor,
+        tree_mask: Tensor,
+        start: int = 0,
+        num_new: int | None = None,
+    ) -> "AttentionMetadata":
         """slots: int [B]; cache_lens, num_nodes: int32 [B]; tree_mask: int64 [B, T, ceil(T / 64)];
         the new tokens are nodes start..start+num_new-1 (default: start..T-1)."""
         T = tree_mask.shape[1]
         M = T - start if num_new is None else num_new
         node = start + torch.arange(M, device=cache_lens.device)[None]
-        valid = None if start == 0 and M == 1 else node < num_nodes[:, None]  # num_nodes >= 1 always
+        valid = (
+            None if start == 0 and M == 1 else node < num_nodes[:, None]
+        )  # num_nodes >= 1 always
         rows, picked = cache.rows(slots, cache_lens[:, None] + node, valid)
-        return cls("verify", cache, rows, picked, cache.block_table[slots], cache_lens, num_nodes,
-                   tree_mask, start)
+        return cls(
+            "verify",
+            cache,
+            rows,
+            picked,
+            cache.block_table[slots],
+            cache_lens,
+            num_nodes,
+            tree_mask,
+            start,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -158,7 +184,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.qkv_sizes = [args.n_heads * args.head_dim] + [args.n_kv_heads * args.head_dim] * 2
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.head_dim**-0.5
         self.wqkv = nn.Linear(in_dim or args.dim, sum(self.qkv_sizes), bias=args.attention_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
@@ -179,20 +205,35 @@ class Attention(nn.Module):
         meta.cache.write_rows(self.layer_idx, meta.rows, meta.picked, k, v)
         if meta.mode == "prefill":
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads)
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=self.n_heads != self.n_kv_heads,
+            )
             return out.transpose(1, 2)
         B, M = q.shape[:2]
         T, start = meta.tree_mask.shape[1], meta.start
         if M != T:  # a head adding nodes start..start+M-1: earlier nodes ask no query
             q_tree = q.new_zeros(B, T, self.n_heads, self.head_dim)
-            q_tree[:, start:start + M] = q
+            q_tree[:, start : start + M] = q
             q = q_tree
-        out = ops.tree_verify(q, meta.cache.k[self.layer_idx], meta.cache.v[self.layer_idx], meta.block_table,
-                              meta.cache_lens, meta.num_nodes, meta.tree_mask, self.scale)
-        return out if M == T else out[:, start:start + M]
+        out = ops.tree_verify(
+            q,
+            meta.cache.k[self.layer_idx],
+            meta.cache.v[self.layer_idx],
+            meta.block_table,
+            meta.cache_lens,
+            meta.num_nodes,
+            meta.tree_mask,
+            self.scale,
+        )
+        return out if M == T else out[:, start : start + M]
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata | Attend) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata | Attend
+    ) -> Tensor:
         """x: [B, T, in_dim]; cos, sin: [B, T, 1, D]; meta: this forward's AttentionMetadata, or a
         custom attention (q, k, v) -> [B, T, Hq, D] (differentiable training passes) -> [B, T, dim]."""
         B, T, _ = x.shape
@@ -203,8 +244,12 @@ class Attention(nn.Module):
 
 # Parameters of TransformerBlock before it had Attention / FeedForward submodules (still
 # accepted by load_state_dict: loader.py and older training checkpoints use them).
-_FLAT_BLOCK_NAMES = {"wqkv": "attention.wqkv", "wo": "attention.wo", "w13": "feed_forward.w13",
-                     "w2": "feed_forward.w2"}
+_FLAT_BLOCK_NAMES = {
+    "wqkv": "attention.wqkv",
+    "wo": "attention.wo",
+    "w13": "feed_forward.w13",
+    "w2": "feed_forward.w2",
+}
 
 
 class TransformerBlock(nn.Module):
@@ -218,8 +263,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
         self._register_load_state_dict_pre_hook(_nest_flat_block_names)  # as gpt-fast does
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata | Attend,
-                attn_in: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata | Attend,
+        attn_in: Tensor | None = None,
+    ) -> Tensor:
         """x: [B, T, dim]; cos, sin: [B, T, 1, D]; meta: see Attention.forward; attn_in: the
         attention's input when it is not attention_norm(x) (EAGLE-3: [B, T, 2 * dim]) -> [B, T, dim]."""
         attn_in = self.attention_norm(x) if attn_in is None else attn_in
@@ -229,7 +280,7 @@ class TransformerBlock(nn.Module):
 
 def _nest_flat_block_names(state_dict: dict, prefix: str, *_) -> None:
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        name, _, kind = key[len(prefix):].partition(".")
+        name, _, kind = key[len(prefix) :].partition(".")
         if name in _FLAT_BLOCK_NAMES and kind in ("weight", "bias"):
             state_dict[f"{prefix}{_FLAT_BLOCK_NAMES[name]}.{kind}"] = state_dict.pop(key)
 
@@ -247,15 +298,30 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", inv_freq(args), persistent=False)
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.head_dim**-0.5
 
-    def new_cache(self, num_slots: int, max_seq_len: int, block_size: int = 16, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, shuffle_blocks: bool = False) -> PagedKVCache:
+    def new_cache(
+        self,
+        num_slots: int,
+        max_seq_len: int,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        shuffle_blocks: bool = False,
+    ) -> PagedKVCache:
         """Callers keep sequences within args.max_position_embeddings (the Mistral window, say)."""
         w = self.tok_embeddings.weight
-        return PagedKVCache(self.args.n_layers, self.args.n_kv_heads, self.args.head_dim, num_slots,
-                            max_seq_len, block_size, dtype or w.dtype, device or w.device,
-                            shuffle_blocks)
+        return PagedKVCache(
+            self.args.n_layers,
+            self.args.n_kv_heads,
+            self.args.head_dim,
+            num_slots,
+            max_seq_len,
+            block_size,
+            dtype or w.dtype,
+            device or w.device,
+            shuffle_blocks,
+        )
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         """hidden: [..., dim] -> logits [..., V] in the model's dtype."""
@@ -265,8 +331,14 @@ class Transformer(nn.Module):
         """positions: int [B, T] -> cos, sin: [B, T, 1, D] (computed as transformers does)."""
         return rope_cos_sin(self.inv_freq, positions, self.tok_embeddings.weight.dtype)
 
-    def _layers(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
-                feature_layers: Sequence[int]) -> tuple[Tensor, list[Tensor]]:
+    def _layers(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        feature_layers: Sequence[int],
+    ) -> tuple[Tensor, list[Tensor]]:
         """Runs every block; returns (final-norm hidden, [pre-norm outputs of feature_layers])."""
         feats = []
         for i, layer in enumerate(self.layers):
@@ -276,8 +348,13 @@ class Transformer(nn.Module):
         return self.norm(x), feats
 
     @torch.no_grad()
-    def prefill(self, tokens: Sequence[Tensor], cache: PagedKVCache, slots: Tensor,
-                feature_layers: Sequence[int] = ()) -> PrefillOut:
+    def prefill(
+        self,
+        tokens: Sequence[Tensor],
+        cache: PagedKVCache,
+        slots: Tensor,
+        feature_layers: Sequence[int] = (),
+    ) -> PrefillOut:
         """tokens: per request long [S_b] (whole prompts); slots: int [B] -> KV at positions
         0..S_b-1, cache_lens = S_b."""
         logits, hidden, aux = [], [], []
@@ -286,7 +363,9 @@ class Transformer(nn.Module):
             pos = torch.arange(len(prompt), device=prompt.device)[None]  # [1, S]
             meta = AttentionMetadata.prefill(cache, slot, pos)
             cos, sin = self.rope(pos)
-            h, feats = self._layers(self.tok_embeddings(prompt[None]), cos, sin, meta, feature_layers)
+            h, feats = self._layers(
+                self.tok_embeddings(prompt[None]), cos, sin, meta, feature_layers
+            )
             cache.cache_lens[slot] = len(prompt)
             logits.append(self.lm_head(h[0, -1]).float())
             hidden.append(h[0])
@@ -294,8 +373,16 @@ class Transformer(nn.Module):
         return PrefillOut(torch.stack(logits), hidden, aux)
 
     @torch.no_grad()
-    def forward(self, tokens: Tensor, cache: PagedKVCache, slots: Tensor, num_nodes: Tensor,
-                tree_mask: Tensor, depth: Tensor, feature_layers: Sequence[int] = ()) -> VerifyOut:
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: PagedKVCache,
+        slots: Tensor,
+        num_nodes: Tensor,
+        tree_mask: Tensor,
+        depth: Tensor,
+        feature_layers: Sequence[int] = (),
+    ) -> VerifyOut:
         """Verify draft trees: tokens: long [B, T] (node 0 = last emitted token, not yet cached);
         slots: int [B]; num_nodes: int32 [B]; tree_mask: int64 [B, T, ceil(T / 64)], depth: int32
         [B, T] from build_tree_mask. Node i is written at cache_lens + i and rotated at

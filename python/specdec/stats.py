@@ -3,6 +3,7 @@
 Acceptance is counted from the sampler's decision (num_accepted + 1 tokens per target
 forward), before EOS / stop / max-token truncation of the last step.
 """
+
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,9 +37,13 @@ class Stats:
     accepted_tokens: int = 0  # sum over steps of num_accepted + 1
     nodes_verified: int = 0  # sum over steps of the tree's num_nodes
     # per draft depth d = 1, 2, ... (index d - 1):
-    depth_tried: list = field(default_factory=list)  # steps whose walk reached depth d - 1 with a depth-d child
+    depth_tried: list = field(
+        default_factory=list
+    )  # steps whose walk reached depth d - 1 with a depth-d child
     depth_accepted: list = field(default_factory=list)  # steps that accepted a depth-d node
-    first_rejection_hist: list = field(default_factory=list)  # [a] = steps that accepted exactly a drafts
+    first_rejection_hist: list = field(
+        default_factory=list
+    )  # [a] = steps that accepted exactly a drafts
     time_s: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     ttft_s: float = 0.0  # time to first token (mean over requests for an aggregate)
     tpot_s: float = 0.0  # time per output token after the first (mean over requests)
@@ -68,7 +73,9 @@ class Stats:
     def finish(self, arrival: float, first_token: float, end: float):
         self.ttft_s = first_token - arrival
         self.elapsed_s = end - arrival
-        self.tpot_s = (end - first_token) / (self.generated_tokens - 1) if self.generated_tokens > 1 else 0.0
+        self.tpot_s = (
+            (end - first_token) / (self.generated_tokens - 1) if self.generated_tokens > 1 else 0.0
+        )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -138,12 +145,17 @@ class Stats:
         rate = " ".join(f"{r:.2f}" for r in self.acceptance_rate) or "-"
         hist = " ".join(str(h) for h in self.first_rejection_hist) or "-"
         total = sum(self.time_s.values()) or 1.0
-        split = "  ".join(f"{p} {self.time_s[p]:.3f}s ({100 * self.time_s[p] / total:.0f}%)" for p in PHASES)
+        split = "  ".join(
+            f"{p} {self.time_s[p]:.3f}s ({100 * self.time_s[p] / total:.0f}%)" for p in PHASES
+        )
         rows = [
             ("requests", f"{self.num_requests}"),
             ("generated tokens", f"{self.generated_tokens}"),
             ("tokens/s", f"{self.tokens_per_s:.2f}"),
-            ("mean acceptance length", f"{self.mean_acceptance_length:.3f} tokens / target forward"),
+            (
+                "mean acceptance length",
+                f"{self.mean_acceptance_length:.3f} tokens / target forward",
+            ),
             ("acceptance rate by depth", rate),
             ("accepted drafts histogram", hist),
             ("tree nodes per step", f"{self.nodes_per_step:.1f}"),

@@ -4,6 +4,7 @@ Reads a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json,
 chat_template.jinja and generation_config.json) without needing transformers; the chat
 template is rendered the way transformers' apply_chat_template renders it.
 """
+
 import json
 import os
 from datetime import datetime
@@ -16,8 +17,13 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: tokenizers.Tokenizer, chat_template: str | None,
-                 special_tokens: dict, eos_token_ids: set):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        chat_template: str | None,
+        special_tokens: dict,
+        eos_token_ids: set,
+    ):
         """special_tokens: {"bos_token": "<s>", ...} (strings or None); eos_token_ids: ids that end a reply."""
         self._tok = tokenizer
         self._template = _compile(chat_template) if chat_template else None
@@ -53,24 +59,31 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt=True) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template; pass a raw prompt instead")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **{k: v or "" for k, v in self.special_tokens.items()})
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **{k: v or "" for k, v in self.special_tokens.items()},
+        )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt=True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.render_chat(messages, add_generation_prompt), add_special_tokens=False
+        )
 
 
 def _compile(template: str) -> jinja2.Template:
     """The environment transformers renders chat templates in (sandboxed, trimmed blocks)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

@@ -2,6 +2,7 @@
 
 Training is an application of the engine: its code is specdec.apps.train (and specdec.apps.data).
 """
+
 if __name__ == "__main__":
     import sys
 

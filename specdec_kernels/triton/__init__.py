@@ -3,6 +3,7 @@
 Called by specdec_kernels.ops after the shared C++ validation, with the same
 positional arguments as the torch.ops.specdec ops.
 """
+
 from .compact_kv import compact_kv
 from .rejection import tree_rejection_sample
 from .tree_mask import build_tree_mask

@@ -1,4 +1,5 @@
 """Narrowing of index tensors for the Triton kernels, shared by every launcher."""
+
 import torch
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1

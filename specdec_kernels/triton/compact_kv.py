@@ -8,6 +8,7 @@ overwritten by a later step, after this program has read it.
 The copy is bitwise (the cache is viewed as integers of its element size), so
 any element dtype works and NaN payloads survive.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -38,8 +39,21 @@ def _copy_path(cache_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, 
 
 
 @triton.jit
-def _compact_kv_kernel(k_ptr, v_ptr, bt_ptr, cache_lens_ptr, acc_ptr, num_acc_ptr,
-                       NB, bs, ROW, MB, S, T, BLOCK: tl.constexpr):
+def _compact_kv_kernel(
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cache_lens_ptr,
+    acc_ptr,
+    num_acc_ptr,
+    NB,
+    bs,
+    ROW,
+    MB,
+    S,
+    T,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     layer = (pid // 2).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
@@ -54,9 +68,14 @@ def _compact_kv_kernel(k_ptr, v_ptr, bt_ptr, cache_lens_ptr, acc_ptr, num_acc_pt
 
 
 @torch.library.custom_op("specdec_triton::compact_kv", mutates_args=("k_cache", "v_cache"))
-def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-               cache_lens: torch.Tensor, accepted_nodes: torch.Tensor,
-               num_accepted: torch.Tensor) -> None:
+def compact_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
     """In place. k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D]
     (contiguous, validated); block_table: int [B, max_blocks]; cache_lens, num_accepted: int [B];
     accepted_nodes: int [B, T].
@@ -72,6 +91,18 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.
     ROW = H * D
     BLOCK = min(triton.next_power_of_2(ROW), 1024)
     grid = (2 * L, B, triton.cdiv(ROW, BLOCK))
-    _compact_kv_kernel[grid](k.view(bits), v.view(bits), index32(block_table),
-                             index32(cache_lens), index32(accepted_nodes), index32(num_accepted),
-                             NB, bs, ROW, MB, MB * bs, T, BLOCK=BLOCK)
+    _compact_kv_kernel[grid](
+        k.view(bits),
+        v.view(bits),
+        index32(block_table),
+        index32(cache_lens),
+        index32(accepted_nodes),
+        index32(num_accepted),
+        NB,
+        bs,
+        ROW,
+        MB,
+        MB * bs,
+        T,
+        BLOCK=BLOCK,
+    )

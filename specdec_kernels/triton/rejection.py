@@ -23,6 +23,7 @@ Every loop has a bound known on device; nothing syncs with the host. Uniform
 consumption matches the reference exactly (uniforms[b, c] for child c,
 uniforms[b, T] for the bonus), so all backends agree given the same uniforms.
 """
+
 from typing import Optional
 
 import torch
@@ -133,13 +134,28 @@ def _node_dist(row_ptr, V, temp, top_k, top_p, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _residual(row_ptr, scratch_ptr, offs, V, mx, amax, inv_t, tau, Z, greedy, explicit, rej,
-              n_rej, HAS_DP: tl.constexpr):
+def _residual(
+    row_ptr,
+    scratch_ptr,
+    offs,
+    V,
+    mx,
+    amax,
+    inv_t,
+    tau,
+    Z,
+    greedy,
+    explicit,
+    rej,
+    n_rej,
+    HAS_DP: tl.constexpr,
+):
     """The residual r at tokens offs [BLOCK_V]: the scratch row once materialised, else p_u
     with the n_rej rejected point-mass tokens rej[:n_rej] zeroed. 0 outside [0, V)."""
     ok = offs < V
-    r = tl.where(ok, _prob(_load_logits(row_ptr, offs, V), offs, mx, amax, inv_t, tau, Z, greedy),
-                 0.0)
+    r = tl.where(
+        ok, _prob(_load_logits(row_ptr, offs, V), offs, mx, amax, inv_t, tau, Z, greedy), 0.0
+    )
     if HAS_DP:
         r = tl.where(explicit, tl.load(scratch_ptr + offs, mask=ok, other=0.0), r)
     else:
@@ -150,15 +166,30 @@ def _residual(row_ptr, scratch_ptr, offs, V, mx, amax, inv_t, tau, Z, greedy, ex
 
 
 @triton.jit
-def _update_residual(row_ptr, scratch_ptr, q_ptr, V, sum_r, mx, amax, inv_t, tau, Z, greedy,
-                     explicit, rej, BLOCK_V: tl.constexpr):
+def _update_residual(
+    row_ptr,
+    scratch_ptr,
+    q_ptr,
+    V,
+    sum_r,
+    mx,
+    amax,
+    inv_t,
+    tau,
+    Z,
+    greedy,
+    explicit,
+    rej,
+    BLOCK_V: tl.constexpr,
+):
     """scratch <- max(r / sum_r - q, 0) over [V]; returns its sum."""
     new_sum = 0.0
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         ok = offs < V
-        r = _residual(row_ptr, scratch_ptr, offs, V, mx, amax, inv_t, tau, Z, greedy, explicit,
-                      rej, 0, True)
+        r = _residual(
+            row_ptr, scratch_ptr, offs, V, mx, amax, inv_t, tau, Z, greedy, explicit, rej, 0, True
+        )
         q = tl.load(q_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         r = tl.where(ok, tl.maximum(r / sum_r - q, 0.0), 0.0)
         tl.store(scratch_ptr + offs, r, mask=ok)  # each thread rewrites only what it read
@@ -168,14 +199,43 @@ def _update_residual(row_ptr, scratch_ptr, q_ptr, V, sum_r, mx, amax, inv_t, tau
 
 
 @triton.jit
-def _sample_residual(row_ptr, scratch_ptr, V, u, mx, amax, inv_t, tau, Z, greedy, explicit, rej,
-                     n_rej, HAS_DP: tl.constexpr, BLOCK_V: tl.constexpr):
+def _sample_residual(
+    row_ptr,
+    scratch_ptr,
+    V,
+    u,
+    mx,
+    amax,
+    inv_t,
+    tau,
+    Z,
+    greedy,
+    explicit,
+    rej,
+    n_rej,
+    HAS_DP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Inverse CDF of r at u: the first t with cumsum(r)[t] > u * sum(r), else the last
     token with mass (u * sum rounded up to the total)."""
     total = 0.0
     for start in range(0, V, BLOCK_V):
-        r = _residual(row_ptr, scratch_ptr, start + tl.arange(0, BLOCK_V), V, mx, amax, inv_t,
-                      tau, Z, greedy, explicit, rej, n_rej, HAS_DP)
+        r = _residual(
+            row_ptr,
+            scratch_ptr,
+            start + tl.arange(0, BLOCK_V),
+            V,
+            mx,
+            amax,
+            inv_t,
+            tau,
+            Z,
+            greedy,
+            explicit,
+            rej,
+            n_rej,
+            HAS_DP,
+        )
         total += tl.sum(r, 0)
     target = u * total
     running = 0.0
@@ -183,8 +243,22 @@ def _sample_residual(row_ptr, scratch_ptr, V, u, mx, amax, inv_t, tau, Z, greedy
     last = -1
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
-        r = _residual(row_ptr, scratch_ptr, offs, V, mx, amax, inv_t, tau, Z, greedy, explicit,
-                      rej, n_rej, HAS_DP)
+        r = _residual(
+            row_ptr,
+            scratch_ptr,
+            offs,
+            V,
+            mx,
+            amax,
+            inv_t,
+            tau,
+            Z,
+            greedy,
+            explicit,
+            rej,
+            n_rej,
+            HAS_DP,
+        )
         cum = running + tl.cumsum(r, 0)
         found = tl.minimum(found, tl.min(tl.where((cum > target) & (offs < V), offs, V), 0))
         last = tl.maximum(last, tl.max(tl.where(r > 0, offs, -1), 0))
@@ -193,10 +267,27 @@ def _sample_residual(row_ptr, scratch_ptr, V, u, mx, amax, inv_t, tau, Z, greedy
 
 
 @triton.jit
-def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr, temp_ptr,
-                      top_k_ptr, top_p_ptr, unif_ptr, scratch_ptr,
-                      acc_nodes_ptr, num_acc_ptr, out_tok_ptr, bad_ptr, T, V,
-                      HAS_DP: tl.constexpr, T_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+def _rejection_kernel(
+    logits_ptr,
+    tokens_ptr,
+    parents_ptr,
+    num_nodes_ptr,
+    dp_ptr,
+    temp_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    unif_ptr,
+    scratch_ptr,
+    acc_nodes_ptr,
+    num_acc_ptr,
+    out_tok_ptr,
+    bad_ptr,
+    T,
+    V,
+    HAS_DP: tl.constexpr,
+    T_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + b), 1), T)  # unvalidated (GPU) input
     temp = tl.load(temp_ptr + b)
@@ -238,7 +329,8 @@ def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr
                 depth += 1
                 u = c + u * 0
                 mx, amax, inv_t, tau, Z, greedy, bad = _node_dist(
-                    logits_b + u.to(tl.int64) * V, V, temp, top_k, top_p, BLOCK_V)
+                    logits_b + u.to(tl.int64) * V, V, temp, top_k, top_p, BLOCK_V
+                )
                 bad_node = tl.where(bad & (bad_node < 0), u, bad_node)
                 sum_r = 1.0
                 explicit = u < 0
@@ -246,8 +338,22 @@ def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr
                 n_rej = u * 0
             else:
                 if HAS_DP:
-                    sum_r = _update_residual(row_u, scratch, q_row, V, sum_r, mx, amax, inv_t,
-                                             tau, Z, greedy, explicit, rej, BLOCK_V)
+                    sum_r = _update_residual(
+                        row_u,
+                        scratch,
+                        q_row,
+                        V,
+                        sum_r,
+                        mx,
+                        amax,
+                        inv_t,
+                        tau,
+                        Z,
+                        greedy,
+                        explicit,
+                        rej,
+                        BLOCK_V,
+                    )
                     explicit = sum_r > 0
                 elif r_x > 0:
                     rej = tl.where(slots == n_rej, x, rej)
@@ -259,19 +365,40 @@ def _rejection_kernel(logits_ptr, tokens_ptr, parents_ptr, num_nodes_ptr, dp_ptr
                     rej = no_rej
                     n_rej = u * 0
     row_u = logits_b + u.to(tl.int64) * V
-    bonus = _sample_residual(row_u, scratch, V, tl.load(unif_ptr + b * (T + 1) + T), mx, amax,
-                             inv_t, tau, Z, greedy, explicit, rej, n_rej, HAS_DP, BLOCK_V)
+    bonus = _sample_residual(
+        row_u,
+        scratch,
+        V,
+        tl.load(unif_ptr + b * (T + 1) + T),
+        mx,
+        amax,
+        inv_t,
+        tau,
+        Z,
+        greedy,
+        explicit,
+        rej,
+        n_rej,
+        HAS_DP,
+        BLOCK_V,
+    )
     tl.store(out_tok_ptr + b * T + depth - 1, bonus)
     tl.store(num_acc_ptr + b, depth - 1)
     tl.store(bad_ptr + b, bad_node)
 
 
 @torch.library.custom_op("specdec_triton::tree_rejection_sample", mutates_args=())
-def tree_rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-                          parents: torch.Tensor, num_nodes: torch.Tensor,
-                          draft_probs: Optional[torch.Tensor], temperature: torch.Tensor,
-                          top_k: torch.Tensor, top_p: torch.Tensor,
-                          uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_rejection_sample(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """target_logits: [B, T, V]; draft_tokens, parents: int [B, T]; num_nodes: int [B];
     draft_probs: [B, T, V] or None; temperature, top_p: float [B]; top_k: int [B];
     uniforms: float [B, T + 1]  ->  (accepted_nodes int32 [B, T], num_accepted int32 [B],
@@ -290,20 +417,45 @@ def tree_rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tenso
     dp = draft_probs.contiguous() if has_dp else target_logits
     scratch = torch.empty(B if has_dp else 1, V, dtype=torch.float32, device=dev)
     block_v = min(triton.next_power_of_2(V), 4096 if dev.type == "cuda" else 1024)
-    _rejection_kernel[(B,)](target_logits.contiguous(), i32(draft_tokens), i32(parents),
-                            i32(num_nodes), dp, f32(temperature), i32(top_k), f32(top_p),
-                            f32(uniforms), scratch, accepted, num_accepted, out_tokens, bad_node,
-                            T, V,
-                            HAS_DP=has_dp, T_PAD=triton.next_power_of_2(T), BLOCK_V=block_v,
-                            num_warps=8)
+    _rejection_kernel[(B,)](
+        target_logits.contiguous(),
+        i32(draft_tokens),
+        i32(parents),
+        i32(num_nodes),
+        dp,
+        f32(temperature),
+        i32(top_k),
+        f32(top_p),
+        f32(uniforms),
+        scratch,
+        accepted,
+        num_accepted,
+        out_tokens,
+        bad_node,
+        T,
+        V,
+        HAS_DP=has_dp,
+        T_PAD=triton.next_power_of_2(T),
+        BLOCK_V=block_v,
+        num_warps=8,
+    )
     if _check_values(dev):
         _raise_on_bad_rows(bad_node)
     return accepted, num_accepted, out_tokens
 
 
 @tree_rejection_sample.register_fake
-def _(target_logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
-      uniforms):
+def _(
+    target_logits,
+    draft_tokens,
+    parents,
+    num_nodes,
+    draft_probs,
+    temperature,
+    top_k,
+    top_p,
+    uniforms,
+):
     B, T, _ = target_logits.shape
     new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int32)  # noqa: E731
     return new(B, T), new(B), new(B, T)
@@ -322,6 +474,8 @@ def _raise_on_bad_rows(bad_node):
     bad = bad_node.cpu()
     for b in range(bad.shape[0]):
         if int(bad[b]) >= 0:
-            raise RuntimeError(f"target_logits[{b}, {int(bad[b])}] has NaN, +inf or only -inf "
-                               "entries (a row the rejection walk visits must have a finite "
-                               "maximum)")
+            raise RuntimeError(
+                f"target_logits[{b}, {int(bad[b])}] has NaN, +inf or only -inf "
+                "entries (a row the rejection walk visits must have a finite "
+                "maximum)"
+            )

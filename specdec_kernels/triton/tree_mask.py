@@ -4,6 +4,7 @@ The whole [T, W] mask tile and the depth vector live in registers: row i is
 row parents[i] (selected by a masked reduction, no global read-after-write) with
 bit i added, so the walk needs no barrier between nodes.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -12,8 +13,9 @@ from ._index import index32
 
 
 @triton.jit
-def _tree_mask_kernel(parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W,
-                      T_PAD: tl.constexpr, W_PAD: tl.constexpr):
+def _tree_mask_kernel(
+    parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W, T_PAD: tl.constexpr, W_PAD: tl.constexpr
+):
     b = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(num_nodes_ptr + b), T)  # unvalidated (GPU) input: stay in the row
     rows = tl.arange(0, T_PAD)
@@ -36,7 +38,9 @@ def _tree_mask_kernel(parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W,
 
 
 @torch.library.custom_op("specdec_triton::build_tree_mask", mutates_args=())
-def build_tree_mask(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def build_tree_mask(
+    parents: torch.Tensor, num_nodes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32 [B, T]).
 
     A custom op, so torch.compile treats the launch as one opaque call."""
@@ -46,13 +50,23 @@ def build_tree_mask(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[tor
     num_nodes = index32(num_nodes)
     mask = torch.empty(B, T, W, dtype=torch.int64, device=parents.device)
     depth = torch.empty(B, T, dtype=torch.int32, device=parents.device)
-    _tree_mask_kernel[(B,)](parents, num_nodes, mask, depth, T, W,
-                            T_PAD=triton.next_power_of_2(T), W_PAD=triton.next_power_of_2(W))
+    _tree_mask_kernel[(B,)](
+        parents,
+        num_nodes,
+        mask,
+        depth,
+        T,
+        W,
+        T_PAD=triton.next_power_of_2(T),
+        W_PAD=triton.next_power_of_2(W),
+    )
     return mask, depth
 
 
 @build_tree_mask.register_fake
 def _(parents, num_nodes):
     B, T = parents.shape
-    return (parents.new_empty(B, T, (T + 63) // 64, dtype=torch.int64),
-            parents.new_empty(B, T, dtype=torch.int32))
+    return (
+        parents.new_empty(B, T, (T + 63) // 64, dtype=torch.int64),
+        parents.new_empty(B, T, dtype=torch.int32),
+    )

@@ -10,6 +10,7 @@ softmax in base 2 with fp32 accumulation; each split writes its partial
 or, with a single split, the program normalises and writes the output directly.
 Rows of padded nodes, or with no key at all, come out zero.
 """
+
 import math
 
 import torch
@@ -29,10 +30,37 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, lo, hi, c, node, row_ok,
-            d, d_ok, Hkv, D, NB, bs, MB, T, W, qk_scale,
-            IS_TREE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-            UPCAST: tl.constexpr):
+def _attend(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    tm_ptr,
+    b,
+    kvh,
+    lo,
+    hi,
+    c,
+    node,
+    row_ok,
+    d,
+    d_ok,
+    Hkv,
+    D,
+    NB,
+    bs,
+    MB,
+    T,
+    W,
+    qk_scale,
+    IS_TREE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Online softmax of the query tile q [BM, BD] over key positions [lo, hi)."""
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -49,8 +77,9 @@ def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, lo, hi, c, n
         if IS_TREE:
             j = pos - c  # tree node of each key
             # the mask viewed as int32 words [B, T, W]: bit j of a row is bit j % 32 of word j // 32
-            words = tl.load(tm_ptr + (b * T + node)[:, None] * W + (j // 32)[None, :],
-                            mask=allowed, other=0)
+            words = tl.load(
+                tm_ptr + (b * T + node)[:, None] * W + (j // 32)[None, :], mask=allowed, other=0
+            )
             allowed = allowed & (((words >> (j % 32)[None, :]) & 1) != 0)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -65,12 +94,36 @@ def _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh, lo, hi, c, n
 
 
 @triton.jit
-def _tree_verify_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cache_lens_ptr, num_nodes_ptr, tm_ptr,
-                        out_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-                        T, Hq, Hkv, D, NB, bs, MB, S, W, CHUNK,
-                        GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-                        UPCAST: tl.constexpr):
+def _tree_verify_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cache_lens_ptr,
+    num_nodes_ptr,
+    tm_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    qk_scale,
+    T,
+    Hq,
+    Hkv,
+    D,
+    NB,
+    bs,
+    MB,
+    S,
+    W,
+    CHUNK,
+    GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     b = (tl.program_id(0) // Hkv).to(tl.int64)
     kvh = tl.program_id(0) % Hkv
     split = tl.program_id(2)
@@ -86,27 +139,84 @@ def _tree_verify_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cache_lens_ptr, num_nodes_p
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q_row = (b * T + node) * Hq + head  # row of q / out viewed as [B * T * Hq, D]
-    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    q = tl.load(
+        q_ptr + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo = split * CHUNK
     hi = lo + CHUNK
-    m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh,
-                            lo, tl.minimum(hi, c), c, node, row_ok, d, d_ok,
-                            Hkv, D, NB, bs, MB, T, W, qk_scale, False, BLOCK_N, PREC, UPCAST)
-    m_i, l_i, acc = _attend(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr, tm_ptr, b, kvh,
-                            tl.maximum(lo, c), tl.minimum(tl.minimum(hi, c + n), S), c, node,
-                            row_ok, d, d_ok, Hkv, D, NB, bs, MB, T, W, qk_scale, True, BLOCK_N,
-                            PREC, UPCAST)
+    m_i, l_i, acc = _attend(
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        tm_ptr,
+        b,
+        kvh,
+        lo,
+        tl.minimum(hi, c),
+        c,
+        node,
+        row_ok,
+        d,
+        d_ok,
+        Hkv,
+        D,
+        NB,
+        bs,
+        MB,
+        T,
+        W,
+        qk_scale,
+        False,
+        BLOCK_N,
+        PREC,
+        UPCAST,
+    )
+    m_i, l_i, acc = _attend(
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        tm_ptr,
+        b,
+        kvh,
+        tl.maximum(lo, c),
+        tl.minimum(tl.minimum(hi, c + n), S),
+        c,
+        node,
+        row_ok,
+        d,
+        d_ok,
+        Hkv,
+        D,
+        NB,
+        bs,
+        MB,
+        T,
+        W,
+        qk_scale,
+        True,
+        BLOCK_N,
+        PREC,
+        UPCAST,
+    )
 
     io_ok = (rows < T * GROUP)[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key: acc is 0, out 0
-        tl.store(out_ptr + q_row[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=io_ok)
+        tl.store(
+            out_ptr + q_row[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_ok
+        )
     else:
         part = q_row * NUM_SPLITS + split  # [B * T * Hq, NUM_SPLITS] partials
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=io_ok)
@@ -115,8 +225,15 @@ def _tree_verify_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cache_lens_ptr, num_nodes_p
 
 
 @triton.jit
-def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, D,
-                  NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    D,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One program per output row: combines the NUM_SPLITS partials of that row."""
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S_PAD)
@@ -126,8 +243,9 @@ def _merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, D,
     part = row * NUM_SPLITS + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                  other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+    )
     m_max = tl.max(m, 0)
     w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
     total = tl.sum(w * l, 0)
@@ -154,9 +272,16 @@ def _launch_config(device, D, S_max, programs):
 
 
 @torch.library.custom_op("specdec_triton::tree_verify", mutates_args=())
-def tree_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                block_table: torch.Tensor, cache_lens: torch.Tensor, num_nodes: torch.Tensor,
-                tree_mask: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def tree_verify(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_lens: torch.Tensor,
+    num_nodes: torch.Tensor,
+    tree_mask: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """q: [B, T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous);
     block_table: int [B, max_blocks]; cache_lens, num_nodes: int [B];
     tree_mask: int64 [B, T, ceil(T/64)]  ->  [B, T, Hq, D] in q's dtype.
@@ -179,15 +304,46 @@ def tree_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         part_acc = part_ml = out  # unused
     _tree_verify_kernel[(B * Hkv, m_blocks, splits)](
-        q, k_cache, v_cache, index32(block_table), index32(cache_lens), index32(num_nodes),
-        tree_mask.contiguous().view(torch.int32), out, part_acc, part_ml,
-        float(sm_scale) * math.log2(math.e), T, Hq, Hkv, D, NB, bs, MB, MB * bs, 2 * W, chunk,
-        GROUP=group, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        q,
+        k_cache,
+        v_cache,
+        index32(block_table),
+        index32(cache_lens),
+        index32(num_nodes),
+        tree_mask.contiguous().view(torch.int32),
+        out,
+        part_acc,
+        part_ml,
+        float(sm_scale) * math.log2(math.e),
+        T,
+        Hq,
+        Hkv,
+        D,
+        NB,
+        bs,
+        MB,
+        MB * bs,
+        2 * W,
+        chunk,
+        GROUP=group,
+        NUM_SPLITS=splits,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16, num_warps=num_warps)
+        UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )
     if splits > 1:
-        _merge_kernel[(B * T * Hq,)](part_acc, part_ml, out, D, NUM_SPLITS=splits,
-                                     S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d)
+        _merge_kernel[(B * T * Hq,)](
+            part_acc,
+            part_ml,
+            out,
+            D,
+            NUM_SPLITS=splits,
+            S_PAD=triton.next_power_of_2(splits),
+            BLOCK_D=block_d,
+        )
     return out
 
 

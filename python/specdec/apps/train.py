@@ -13,6 +13,7 @@
    Checkpoints (head + optimiser + step) resume; the result is a head directory that
    `specdec.eagle.load_head` reads.
 """
+
 import json
 import math
 import os
@@ -51,7 +52,9 @@ def _pick(logits, temperature: float, generator):
 
 
 @torch.no_grad()
-def generate_batch(model, prompts: list, max_new_tokens: int, eos_ids, temperature=0.0, generator=None):
+def generate_batch(
+    model, prompts: list, max_new_tokens: int, eos_ids, temperature=0.0, generator=None
+):
     """Continues each prompt (list of ids) until EOS or max_new_tokens.
 
     Returns per prompt (tokens long [S], hidden [S, dim]): prompt + answer ids and the
@@ -66,10 +69,18 @@ def generate_batch(model, prompts: list, max_new_tokens: int, eos_ids, temperatu
     active, nxt = slots, _pick(out.logits, temperature, generator)
     for i in range(max_new_tokens):
         n = len(active)
-        tree_mask, depth = ops.build_tree_mask(torch.full((n, 1), -1, dtype=torch.int32, device=slots.device),
-                                               torch.ones(n, dtype=torch.int32, device=slots.device))
-        o = model(nxt[:, None], cache, active, torch.ones(n, dtype=torch.int32, device=slots.device),
-                  tree_mask, depth)
+        tree_mask, depth = ops.build_tree_mask(
+            torch.full((n, 1), -1, dtype=torch.int32, device=slots.device),
+            torch.ones(n, dtype=torch.int32, device=slots.device),
+        )
+        o = model(
+            nxt[:, None],
+            cache,
+            active,
+            torch.ones(n, dtype=torch.int32, device=slots.device),
+            tree_mask,
+            depth,
+        )
         cache.cache_lens[active] += 1
         for b, t, h in zip(active.tolist(), nxt.tolist(), o.hidden[:, 0]):
             tokens[b].append(t)
@@ -81,9 +92,18 @@ def generate_batch(model, prompts: list, max_new_tokens: int, eos_ids, temperatu
     return [(torch.tensor(t), torch.cat(h)) for t, h in zip(tokens, hidden)]
 
 
-def generate_shards(model, tokenizer, prompt_ids: list, data_dir: str, batch_size: int = 32,
-                    max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
-                    max_shards: int | None = None, progress: bool = True) -> list:
+def generate_shards(
+    model,
+    tokenizer,
+    prompt_ids: list,
+    data_dir: str,
+    batch_size: int = 32,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    seed: int = 0,
+    max_shards: int | None = None,
+    progress: bool = True,
+) -> list:
     """Self-distillation data: shard i holds prompts [i * batch_size, (i + 1) * batch_size)
     with the target's answers; existing shards are kept (resume). Returns the shard paths.
 
@@ -92,9 +112,14 @@ def generate_shards(model, tokenizer, prompt_ids: list, data_dir: str, batch_siz
     os.makedirs(data_dir, exist_ok=True)
     # everything that decides a shard's content (not the prompt count: the prompt list is
     # prefix-stable in --num-prompts, so a run can be extended with more shards)
-    manifest = {"batch_size": batch_size, "max_new_tokens": max_new_tokens,
-                "temperature": temperature, "seed": seed, "dim": model.args.dim,
-                "vocab_size": model.args.vocab_size}
+    manifest = {
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "dim": model.args.dim,
+        "vocab_size": model.args.vocab_size,
+    }
     _check_manifest(data_dir, manifest)
     num_shards = math.ceil(len(prompt_ids) / batch_size)
     if max_shards is not None:
@@ -104,9 +129,11 @@ def generate_shards(model, tokenizer, prompt_ids: list, data_dir: str, batch_siz
     bar = _bar(len(todo), "self-distill", "batch", progress)
     done_tokens, t0 = 0, time.perf_counter()
     for i in todo:
-        batch = prompt_ids[i * batch_size:(i + 1) * batch_size]
+        batch = prompt_ids[i * batch_size : (i + 1) * batch_size]
         gen = torch.Generator().manual_seed(seed * 1_000_003 + i)  # per shard: resume-stable
-        seqs = generate_batch(model, batch, max_new_tokens, tokenizer.eos_token_ids, temperature, gen)
+        seqs = generate_batch(
+            model, batch, max_new_tokens, tokenizer.eos_token_ids, temperature, gen
+        )
         _write_shard(paths[i], seqs, [len(p) for p in batch])
         done_tokens += sum(len(t) - len(p) for (t, _), p in zip(seqs, batch))
         if bar:
@@ -123,8 +150,10 @@ def _check_manifest(data_dir, manifest):
         with open(path) as f:
             old = json.load(f)
         if old != manifest:
-            raise InvalidRequestError(f"{data_dir} holds shards made with different settings "
-                                      f"({old}, now {manifest}); use another --data-dir")
+            raise InvalidRequestError(
+                f"{data_dir} holds shards made with different settings "
+                f"({old}, now {manifest}); use another --data-dir"
+            )
     else:
         with open(path, "w") as f:
             json.dump(manifest, f, indent=2)
@@ -144,8 +173,11 @@ def _write_shard(path, seqs, prompt_lens):
 
 def shard_paths(data_dir: str) -> list:
     """The complete shards of a data directory, in order."""
-    return [os.path.join(data_dir, n) for n in sorted(os.listdir(data_dir))
-            if n.startswith("shard_") and n.endswith(".safetensors")]
+    return [
+        os.path.join(data_dir, n)
+        for n in sorted(os.listdir(data_dir))
+        if n.startswith("shard_") and n.endswith(".safetensors")
+    ]
 
 
 def load_shards(data_dir: str, paths: list | None = None) -> list:
@@ -154,7 +186,9 @@ def load_shards(data_dir: str, paths: list | None = None) -> list:
     for path in shard_paths(data_dir) if paths is None else paths:
         t = load_file(path)
         lengths = t["lengths"].tolist()
-        for tok, hid, p in zip(t["tokens"].split(lengths), t["hidden"].split(lengths), t["prompt_lens"].tolist()):
+        for tok, hid, p in zip(
+            t["tokens"].split(lengths), t["hidden"].split(lengths), t["prompt_lens"].tolist()
+        ):
             seqs.append((tok.long(), hid, p))
     return seqs
 
@@ -196,12 +230,19 @@ def head_train_forward(head, tokens, features, steps: int = 1) -> list:
             keys.append(k)
             values.append(v)
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2), torch.cat(values, 1).transpose(1, 2),
-                attn_mask=mask, scale=head.scale, enable_gqa=gqa)
+                q.transpose(1, 2),
+                torch.cat(keys, 1).transpose(1, 2),
+                torch.cat(values, 1).transpose(1, 2),
+                attn_mask=mask,
+                scale=head.scale,
+                enable_gqa=gqa,
+            )
             return out.transpose(1, 2)
 
         x = head.fc(torch.cat((emb, feats), dim=-1))
-        preds.append(head.layer(x, cos, sin, attend))  # attention_norm is the identity for EAGLE-1/2
+        preds.append(
+            head.layer(x, cos, sin, attend)
+        )  # attention_norm is the identity for EAGLE-1/2
         feats = torch.cat((features[:, :1], preds[-1][:, :-1]), dim=1)
     return preds
 
@@ -232,7 +273,7 @@ def make_batch(seqs: list, device=None):
         n = len(tok) - 2
         tok_in[b, :n], labels[b, :n] = tok[1:-1], tok[2:]
         feat_in[b, :n], feat_out[b, :n] = hid[:-2].float(), hid[1:-1].float()
-        mask[b, max(p - 2, 0):n] = True
+        mask[b, max(p - 2, 0) : n] = True
     return tuple(t.to(device) for t in (tok_in, feat_in, feat_out, labels, mask))
 
 
@@ -256,15 +297,36 @@ def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
         known = vocab[index] == labels[m]
         logits = pred[m][known] @ w.T
         fl = fl + F.smooth_l1_loss(pred[m], feat_out[m], reduction="none").mean(-1).mean() / steps
-        tl = tl + F.cross_entropy(logits, index[known], reduction="sum") / max(1, int(known.sum())) / steps
-        accs.append((logits.argmax(-1) == index[known]).float().sum().item() / max(1, m.sum().item()))
+        tl = (
+            tl
+            + F.cross_entropy(logits, index[known], reduction="sum")
+            / max(1, int(known.sum()))
+            / steps
+        )
+        accs.append(
+            (logits.argmax(-1) == index[known]).float().sum().item() / max(1, m.sum().item())
+        )
     return FEATURE_WEIGHT * fl + TOKEN_WEIGHT * tl, fl, tl, accs
 
 
-def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size: int = 8, lr: float = 1e-3,
-               noise: float = 0.2, full_vocab_ce: bool = False, draft_vocab: int = 0, checkpoint_every: int = 100,
-               save_dtype=torch.bfloat16, seed: int = 0, progress: bool = True, max_steps: int | None = None,
-               val_seqs: list | None = None, ttt_steps: int = 1):
+def train_head(
+    target,
+    seqs: list,
+    output: str,
+    epochs: float = 3.0,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    noise: float = 0.2,
+    full_vocab_ce: bool = False,
+    draft_vocab: int = 0,
+    checkpoint_every: int = 100,
+    save_dtype=torch.bfloat16,
+    seed: int = 0,
+    progress: bool = True,
+    max_steps: int | None = None,
+    val_seqs: list | None = None,
+    ttt_steps: int = 1,
+):
     """Trains a fresh EAGLE-2 head on self-distillation sequences and saves it to `output`
     (resuming from output/checkpoint.pt if present); ttt_steps > 1 adds training-time-test
     passes on the head's own predictions (EAGLE-3 style); val_seqs (held-out sequences) are
@@ -280,8 +342,11 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
     head = EagleHead.random(target, version=2, seed=seed).float()
     # Cross-entropy over the tokens the data uses (a sampled softmax: the full 49k-way
     # product would cost ~7x the head itself per token on CPU).
-    vocab = (torch.arange(target.args.vocab_size) if full_vocab_ce
-             else torch.unique(torch.cat([t[2:] for t, _, _ in seqs])))
+    vocab = (
+        torch.arange(target.args.vocab_size)
+        if full_vocab_ce
+        else torch.unique(torch.cat([t[2:] for t, _, _ in seqs]))
+    )
     if draft_vocab:
         vocab = frequent_tokens(seqs, draft_vocab)
     device = target.tok_embeddings.weight.device  # the target's: a GPU trains much faster
@@ -291,8 +356,12 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
     steps_per_epoch = math.ceil(len(seqs) / batch_size)
     total = max(1, round(epochs * steps_per_epoch))
     warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
-        1 + math.cos(math.pi * min(s, total) / total))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(
+            (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, total) / total))
+        ),
+    )
     step = _resume(os.path.join(output, CHECKPOINT), head, opt, sched)
     stop = total if max_steps is None else min(total, step + max_steps)
     bar = _bar(stop - step, "train-head", "step", progress)
@@ -300,7 +369,9 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
     while step < stop:
         epoch, i = divmod(step, steps_per_epoch)
         order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed + epoch))
-        batch = make_batch([seqs[j] for j in order[i * batch_size:(i + 1) * batch_size].tolist()], device)
+        batch = make_batch(
+            [seqs[j] for j in order[i * batch_size : (i + 1) * batch_size].tolist()], device
+        )
         noise_gen = torch.Generator(device).manual_seed(seed * 7919 + step)
         loss, fl, tl, accs = head_loss(head, batch, vocab, noise, noise_gen, ttt_steps)
         opt.zero_grad(set_to_none=True)
@@ -309,18 +380,29 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         opt.step()
         sched.step()
         step += 1
-        rec = {"step": step, "loss": loss.item(), "feature_loss": fl.item(), "token_loss": tl.item(),
-               "acc": accs[0], "acc_by_depth": accs}
+        rec = {
+            "step": step,
+            "loss": loss.item(),
+            "feature_loss": fl.item(),
+            "token_loss": tl.item(),
+            "acc": accs[0],
+            "acc_by_depth": accs,
+        }
         log.append(rec)
         running = _smooth(running, rec)
         if bar:
-            bar.set_postfix(loss=f"{running['loss']:.3f}", epoch=epoch,
-                            top1="/".join(f"{a:.2f}" for a in running["acc_by_depth"]))
+            bar.set_postfix(
+                loss=f"{running['loss']:.3f}",
+                epoch=epoch,
+                top1="/".join(f"{a:.2f}" for a in running["acc_by_depth"]),
+            )
             bar.update(1)
         if step % checkpoint_every == 0 or step == stop:
             _checkpoint(os.path.join(output, CHECKPOINT), head, opt, sched, step)
         if val_seqs and (step % steps_per_epoch == 0 or step == total):
-            log.append({"epoch": step / steps_per_epoch, "val": evaluate(head, val_seqs, batch_size)})
+            log.append(
+                {"epoch": step / steps_per_epoch, "val": evaluate(head, val_seqs, batch_size)}
+            )
             msg = f"epoch {step / steps_per_epoch:.2f}: held-out {log[-1]['val']}"
             if bar:
                 bar.write(msg)
@@ -332,11 +414,20 @@ def train_head(target, seqs: list, output: str, epochs: float = 3.0, batch_size:
         if draft_vocab:
             head.set_draft_vocab(vocab.cpu())
         head.to(save_dtype).save(output)
-        summary = {"steps": total, "epochs": epochs, "batch_size": batch_size, "lr": lr, "noise": noise,
-                   "ttt_steps": ttt_steps, "sequences": len(seqs), "vocab_for_ce": len(vocab),
-                   "draft_vocab": draft_vocab or target.args.vocab_size,
-                   "seconds_this_call": time.perf_counter() - t0, "final": running,
-                   "held_out": [r for r in log if "val" in r]}
+        summary = {
+            "steps": total,
+            "epochs": epochs,
+            "batch_size": batch_size,
+            "lr": lr,
+            "noise": noise,
+            "ttt_steps": ttt_steps,
+            "sequences": len(seqs),
+            "vocab_for_ce": len(vocab),
+            "draft_vocab": draft_vocab or target.args.vocab_size,
+            "seconds_this_call": time.perf_counter() - t0,
+            "final": running,
+            "held_out": [r for r in log if "val" in r],
+        }
         with open(os.path.join(output, "training.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return log
@@ -355,8 +446,10 @@ def _smooth(running: dict | None, rec: dict) -> dict:
     if running is None:
         return dict(rec)
     mix = lambda a, b: 0.9 * a + 0.1 * b  # noqa: E731
-    return {k: [mix(a, b) for a, b in zip(running[k], v)] if isinstance(v, list) else mix(running[k], v)
-            for k, v in rec.items()}
+    return {
+        k: [mix(a, b) for a, b in zip(running[k], v)] if isinstance(v, list) else mix(running[k], v)
+        for k, v in rec.items()
+    }
 
 
 @torch.no_grad()
@@ -365,7 +458,9 @@ def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
     {"feature_loss", "top1"} (top-1 = how often the first draft would be accepted, greedy)."""
     fl, hits, n = 0.0, 0, 0
     for i in range(0, len(seqs), batch_size):
-        tok_in, feat_in, feat_out, labels, mask = make_batch(seqs[i:i + batch_size], head.fc.weight.device)
+        tok_in, feat_in, feat_out, labels, mask = make_batch(
+            seqs[i : i + batch_size], head.fc.weight.device
+        )
         pred = head_train_forward(head, tok_in, feat_in)[0][mask]
         fl += F.smooth_l1_loss(pred, feat_out[mask], reduction="none").mean(-1).sum().item()
         hits += (head.logits(pred).argmax(-1) == labels[mask]).sum().item()
@@ -375,8 +470,15 @@ def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
 
 def _checkpoint(path, head, opt, sched, step):
     tmp = path + ".tmp"
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                "step": step}, tmp)
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "step": step,
+        },
+        tmp,
+    )
     os.replace(tmp, path)
 
 
@@ -392,35 +494,79 @@ def _resume(path, head, opt, sched) -> int:
 
 # ---------------------------------------------------------------------- command line
 def add_arguments(p):
-    p.add_argument("--model", metavar="PATH", help="target: .gguf or HF dir (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--output", required=True, metavar="DIR", help="head directory to write (config.json + model.safetensors)")
-    p.add_argument("--data-dir", metavar="DIR", help="self-distillation shards (default: OUTPUT/data)")
+    p.add_argument(
+        "--model", metavar="PATH", help="target: .gguf or HF dir (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--output",
+        required=True,
+        metavar="DIR",
+        help="head directory to write (config.json + model.safetensors)",
+    )
+    p.add_argument(
+        "--data-dir", metavar="DIR", help="self-distillation shards (default: OUTPUT/data)"
+    )
     p.add_argument("--stage", choices=("all", "generate", "train"), default="all")
     p.add_argument("--num-prompts", type=int, default=2048, help="ShareGPT prompts to answer")
-    p.add_argument("--max-prompt-tokens", type=int, default=128, help="longer (templated) prompts are skipped")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=128, help="longer (templated) prompts are skipped"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch-size", type=int, default=32)
-    p.add_argument("--gen-temperature", type=float, default=0.0, help="0 = greedy answers (default)")
+    p.add_argument(
+        "--gen-temperature", type=float, default=0.0, help="0 = greedy answers (default)"
+    )
     p.add_argument("--max-shards", type=int, help="stop data generation after this many shards")
-    p.add_argument("--gen-dtype", choices=("bfloat16", "float32"), default="float32",
-                   help="target dtype while generating (bfloat16 is ~2x faster on CPUs with AVX512-BF16)")
+    p.add_argument(
+        "--gen-dtype",
+        choices=("bfloat16", "float32"),
+        default="float32",
+        help="target dtype while generating (bfloat16 is ~2x faster on CPUs with AVX512-BF16)",
+    )
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--ttt-steps", type=int, default=1,
-                   help="passes per batch; > 1 trains on the head's own predicted features (EAGLE-3 training-time test)")
-    p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise width, relative to the feature RMS")
-    p.add_argument("--full-vocab-ce", action="store_true",
-                   help="cross-entropy over the whole vocabulary (default: over the tokens of the data)")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="draft over the N most frequent generated tokens only (stored as d2t; cuts the "
-                        "draft lm_head cost by V / N); 0 = the whole vocabulary (default)")
-    p.add_argument("--val-shards", type=int, default=1, help="last shards held out for per-epoch validation")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                   help="dtype of the saved head")
+    p.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=1,
+        help="passes per batch; > 1 trains on the head's own predicted features (EAGLE-3 training-time test)",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.2,
+        help="uniform feature noise width, relative to the feature RMS",
+    )
+    p.add_argument(
+        "--full-vocab-ce",
+        action="store_true",
+        help="cross-entropy over the whole vocabulary (default: over the tokens of the data)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="draft over the N most frequent generated tokens only (stored as d2t; cuts the "
+        "draft lm_head cost by V / N); 0 = the whole vocabulary (default)",
+    )
+    p.add_argument(
+        "--val-shards", type=int, default=1, help="last shards held out for per-epoch validation"
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="dtype of the saved head",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)")
+    p.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)"
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
 
@@ -436,19 +582,47 @@ def run(args) -> int:
     progress = not args.no_progress
     device = resolve_device(args.device)
     if args.stage in ("all", "generate"):
-        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.gen_dtype), device=device)
-        prompts = tokenize_prompts(tokenizer, sharegpt_prompts(args.num_prompts, args.seed), args.max_prompt_tokens)
-        generate_shards(model, tokenizer, prompts, data_dir, args.gen_batch_size, args.max_new_tokens,
-                        args.gen_temperature, args.seed, args.max_shards, progress)
+        model, tokenizer = load_model(
+            args.model, dtype=getattr(torch, args.gen_dtype), device=device
+        )
+        prompts = tokenize_prompts(
+            tokenizer, sharegpt_prompts(args.num_prompts, args.seed), args.max_prompt_tokens
+        )
+        generate_shards(
+            model,
+            tokenizer,
+            prompts,
+            data_dir,
+            args.gen_batch_size,
+            args.max_new_tokens,
+            args.gen_temperature,
+            args.seed,
+            args.max_shards,
+            progress,
+        )
     if args.stage in ("all", "train"):
         model, _ = load_model(args.model, device=device)
         shards = shard_paths(data_dir)
         if args.val_shards >= len(shards):
-            raise InvalidRequestError(f"{data_dir} has {len(shards)} shards: too few to hold {args.val_shards} out")
+            raise InvalidRequestError(
+                f"{data_dir} has {len(shards)} shards: too few to hold {args.val_shards} out"
+            )
         cut = len(shards) - args.val_shards
-        train_head(model, load_shards(data_dir, shards[:cut]), args.output, epochs=args.epochs,
-                   batch_size=args.batch_size, lr=args.lr, noise=args.noise, full_vocab_ce=args.full_vocab_ce,
-                   draft_vocab=args.draft_vocab,
-                   checkpoint_every=args.checkpoint_every, save_dtype=getattr(torch, args.dtype), seed=args.seed,
-                   progress=progress, val_seqs=load_shards(data_dir, shards[cut:]), ttt_steps=args.ttt_steps)
+        train_head(
+            model,
+            load_shards(data_dir, shards[:cut]),
+            args.output,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            noise=args.noise,
+            full_vocab_ce=args.full_vocab_ce,
+            draft_vocab=args.draft_vocab,
+            checkpoint_every=args.checkpoint_every,
+            save_dtype=getattr(torch, args.dtype),
+            seed=args.seed,
+            progress=progress,
+            val_seqs=load_shards(data_dir, shards[cut:]),
+            ttt_steps=args.ttt_steps,
+        )
     return 0

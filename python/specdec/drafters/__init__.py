@@ -7,10 +7,16 @@ base.py holds the interface (`Drafter`, `Proposal`); one module per drafter. Nam
 imported lazily: a drafter's module (the EAGLE one imports the head, drafting and the ops)
 loads only when it is used.
 """
+
 import importlib
 
-_LAZY = {"Drafter": "base", "Proposal": "base", "PlainDrafter": "plain", "EagleDrafter": "eagle",
-         "NgramDrafter": "ngram"}
+_LAZY = {
+    "Drafter": "base",
+    "Proposal": "base",
+    "PlainDrafter": "plain",
+    "EagleDrafter": "eagle",
+    "NgramDrafter": "ngram",
+}
 
 __all__ = sorted(_LAZY)
 

@@ -16,6 +16,7 @@ Exactness does not depend on the drafter: any tree is verified by tree_rejection
 which follows the target as long as draft_probs is the distribution each draft was drawn
 from (or None for deterministic drafts, point masses).
 """
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,16 +51,24 @@ class Proposal:
         T = self.tokens.shape[1]
         num_nodes = torch.minimum(self.num_nodes, room.to(self.num_nodes.dtype))
         keep = torch.arange(T, device=self.tokens.device)[None, :] < num_nodes[:, None]
-        return type(self)(self.tokens.masked_fill(~keep, 0), self.parents.masked_fill(~keep, -1),
-                          num_nodes, self.draft_probs, self.confidence)
+        return type(self)(
+            self.tokens.masked_fill(~keep, 0),
+            self.parents.masked_fill(~keep, -1),
+            num_nodes,
+            self.draft_probs,
+            self.confidence,
+        )
 
 
 def root_only(root_tokens: torch.Tensor) -> Proposal:
     """The one-node tree (root only, T = 1): a plain decoding step."""
     B = root_tokens.shape[0]
     dev = root_tokens.device
-    return Proposal(root_tokens[:, None].clone(), torch.full((B, 1), -1, dtype=torch.int32, device=dev),
-                    torch.ones(B, dtype=torch.int32, device=dev))
+    return Proposal(
+        root_tokens[:, None].clone(),
+        torch.full((B, 1), -1, dtype=torch.int32, device=dev),
+        torch.ones(B, dtype=torch.int32, device=dev),
+    )
 
 
 @dataclass
@@ -80,7 +89,9 @@ class StepResult:
 
     accepted_nodes: torch.Tensor  # int32 [B, T]: the accepted path's node indices, -1 padded
     num_accepted: torch.Tensor  # int32 [B]: accepted drafts (the path has num_accepted + 1 nodes)
-    output_tokens: torch.Tensor  # int32 [B, T]: the emitted tokens (num_accepted + 1 of them), -1 padded
+    output_tokens: (
+        torch.Tensor
+    )  # int32 [B, T]: the emitted tokens (num_accepted + 1 of them), -1 padded
     hidden: torch.Tensor  # [B, T, dim]: the target's last hidden state of each verified node
     aux: tuple  # the target's hidden states at Drafter.feature_layers, [B, T, dim] each
     ok: list  # bool per row: False for a request that failed (its row is inert; skip it)
@@ -116,15 +127,27 @@ class Drafter(ABC):
         """Allocates per-slot state (called once by the engine)."""
 
     @abstractmethod
-    def start(self, slots: torch.Tensor, prompts: list, first_tokens: torch.Tensor, hidden: torch.Tensor,
-              aux: tuple, ok: list) -> None:
+    def start(
+        self,
+        slots: torch.Tensor,
+        prompts: list,
+        first_tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: tuple,
+        ok: list,
+    ) -> None:
         """New requests in slots (long [B]): prompts (long [S_b] each), first_tokens (long [B],
         sampled from the prefill), the target's prefill hidden states ([B, S, dim], padded;
         aux: at feature_layers); ok[b] False: the request already failed."""
 
     @abstractmethod
-    def propose(self, slots: torch.Tensor, roots: torch.Tensor, sampling: "BatchSampling",
-                policy: "Policy | None" = None) -> Proposal:
+    def propose(
+        self,
+        slots: torch.Tensor,
+        roots: torch.Tensor,
+        sampling: "BatchSampling",
+        policy: "Policy | None" = None,
+    ) -> Proposal:
         """Draft trees for the requests in slots (long [B]) rooted at roots (long [B], the
         last emitted tokens). sampling: the requests' parameters and generators (a drafter
         that samples must draw from their generators and pass draft_probs). policy: adaptive

@@ -8,6 +8,7 @@ own predicted features), so committing it is advancing cache_lens — the positi
 already contiguous and compaction would be the identity. That re-run is deferred to the next
 propose (_catch_up), so plain steps of adaptive mode cost no head work.
 """
+
 import torch
 
 import specdec_kernels.ops as ops
@@ -40,11 +41,13 @@ class EagleDrafter(Drafter):
     def setup(self, setup) -> None:
         head = self.head
         self.tree, self.device = setup.tree, setup.device
-        self.cache = head.new_cache(setup.batch_size, self.cache_positions(setup.tree, setup.capacity),
-                                    setup.block_size)
+        self.cache = head.new_cache(
+            setup.batch_size, self.cache_positions(setup.tree, setup.capacity), setup.block_size
+        )
         # the head's output at each slot's last committed position: what drafting starts from
-        self.draft_hidden = torch.zeros(setup.batch_size, setup.model.args.dim, dtype=head.fc.weight.dtype,
-                                        device=setup.device)
+        self.draft_hidden = torch.zeros(
+            setup.batch_size, setup.model.args.dim, dtype=head.fc.weight.dtype, device=setup.device
+        )
         # per slot: (tokens, target features) accepted since the head last ran (_catch_up)
         self.pending = {}
 
@@ -54,23 +57,38 @@ class EagleDrafter(Drafter):
         features = self.head.select_features(hidden, aux)
         self.cache.reset(slots)
         for b, (slot, p, f) in enumerate(zip(slots.tolist(), prompts, features)):
-            self.pending[slot] = [(torch.cat((p[1:], first_tokens[b:b + 1])), f)]
+            self.pending[slot] = [(torch.cat((p[1:], first_tokens[b : b + 1])), f)]
         for slot, good in zip(slots.tolist(), ok):
             if not good:  # failed: its slot is freed, nothing to run
                 self.pending.pop(slot, None)
 
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
         self._catch_up(slots)
-        d = drafting.draft(self.tree, self.head, self.draft_hidden[slots], self.cache, slots, roots,
-                           sampling, policy)
+        d = drafting.draft(
+            self.tree,
+            self.head,
+            self.draft_hidden[slots],
+            self.cache,
+            slots,
+            roots,
+            sampling,
+            policy,
+        )
         return Proposal(d.tokens, d.parents, d.num_nodes, d.draft_probs, d.confidence)
 
     def commit(self, slots, proposal, result) -> None:
         features = self.head.select_features(result.hidden, result.aux)
         path_features = features.gather(
-            1, result.accepted_nodes.long().clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]))
-        for good, slot, tok, feat, n in zip(result.ok, slots.tolist(), result.output_tokens.long(), path_features,
-                                            (result.num_accepted + 1).tolist()):
+            1,
+            result.accepted_nodes.long().clamp(min=0)[..., None].expand(-1, -1, features.shape[-1]),
+        )
+        for good, slot, tok, feat, n in zip(
+            result.ok,
+            slots.tolist(),
+            result.output_tokens.long(),
+            path_features,
+            (result.num_accepted + 1).tolist(),
+        ):
             if good:
                 self.pending.setdefault(slot, []).append((tok[:n], feat[:n]))
 
@@ -96,10 +114,14 @@ class EagleDrafter(Drafter):
         tokens: long [B, M]; features: [B, M, F]; counts: int [B] in [1, M]."""
         B, M = tokens.shape
         counts = counts.to(torch.int32)
-        parents = torch.arange(-1, M - 1, dtype=torch.int32, device=self.device).expand(B, M).contiguous()
+        parents = (
+            torch.arange(-1, M - 1, dtype=torch.int32, device=self.device).expand(B, M).contiguous()
+        )
         tree_mask, depth = ops.build_tree_mask(parents, counts)
         lens = self.cache.cache_lens[slots]
-        hidden = self.head(tokens, features, self.cache, slots, lens, 0, counts, tree_mask, lens[:, None] + depth)
+        hidden = self.head(
+            tokens, features, self.cache, slots, lens, 0, counts, tree_mask, lens[:, None] + depth
+        )
         self.cache.cache_lens[slots] += counts
         last = hidden[torch.arange(B, device=self.device), counts.long() - 1]
         self.draft_hidden[slots] = last

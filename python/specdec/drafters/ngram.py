@@ -16,6 +16,7 @@ share of the merged occurrences through its parent that continue with its token;
 calibrates it per depth with what is actually accepted. Drafting costs ~0 model time, so the
 cost model's draft times are zero.
 """
+
 import numpy as np
 import torch
 
@@ -23,7 +24,9 @@ from ..adaptive import CostModel
 from ..errors import InvalidRequestError
 from .base import Drafter, Proposal
 
-MAX_OCCURRENCES = 64  # earlier occurrences of the matched n-gram examined per step (most recent first)
+MAX_OCCURRENCES = (
+    64  # earlier occurrences of the matched n-gram examined per step (most recent first)
+)
 
 
 class NgramDrafter(Drafter):
@@ -54,13 +57,15 @@ class NgramDrafter(Drafter):
     def start(self, slots, prompts, first_tokens, hidden, aux, ok) -> None:
         for slot, p, first in zip(slots.tolist(), prompts, first_tokens.tolist()):
             h = np.zeros(len(p) + 1 + 4 * self.total, dtype=np.int64)
-            h[:len(p)] = p.cpu().numpy()
+            h[: len(p)] = p.cpu().numpy()
             h[len(p)] = first
             self.history[slot], self.lens[slot] = h, len(p) + 1
 
     def commit(self, slots, proposal, result) -> None:
         n_new = (result.num_accepted + 1).tolist()
-        for good, slot, toks, n in zip(result.ok, slots.tolist(), result.output_tokens.tolist(), n_new):
+        for good, slot, toks, n in zip(
+            result.ok, slots.tolist(), result.output_tokens.tolist(), n_new
+        ):
             if good:
                 self._append(slot, toks[:n])
 
@@ -69,7 +74,7 @@ class NgramDrafter(Drafter):
         if L + len(tokens) > len(h):
             h = np.concatenate((h, np.zeros(max(len(h), len(tokens)), dtype=np.int64)))
             self.history[slot] = h
-        h[L:L + len(tokens)] = tokens
+        h[L : L + len(tokens)] = tokens
         self.lens[slot] = L + len(tokens)
 
     # ------------------------------------------------------------------ drafting
@@ -79,10 +84,12 @@ class NgramDrafter(Drafter):
         L = len(h)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             # occurrences starting at i <= L - 1 - n: each is followed by at least one token
-            windows = np.lib.stride_tricks.sliding_window_view(h[:L - 1], n)
-            starts = np.flatnonzero((windows == h[L - n:]).all(axis=1))
+            windows = np.lib.stride_tricks.sliding_window_view(h[: L - 1], n)
+            starts = np.flatnonzero((windows == h[L - n :]).all(axis=1))
             if len(starts):
-                return [h[i + n:i + n + self.depth].tolist() for i in starts[::-1][:MAX_OCCURRENCES]]
+                return [
+                    h[i + n : i + n + self.depth].tolist() for i in starts[::-1][:MAX_OCCURRENCES]
+                ]
         return []
 
     def trie(self, root: int, conts: list):
@@ -113,7 +120,7 @@ class NgramDrafter(Drafter):
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
         rows = []
         for slot, root in zip(slots.tolist(), roots.tolist()):
-            h = self.history[slot][:self.lens[slot]]
+            h = self.history[slot][: self.lens[slot]]
             rows.append(self.trie(root, self.continuations(h)))
         B, dev = len(rows), roots.device
         if policy is not None:
@@ -122,8 +129,8 @@ class NgramDrafter(Drafter):
         tokens = torch.zeros(B, T, dtype=torch.long)
         parents = torch.full((B, T), -1, dtype=torch.int32)
         for b, (tok, par, _, _) in enumerate(rows):
-            tokens[b, :len(tok)] = torch.tensor(tok)
-            parents[b, :len(par)] = torch.tensor(par, dtype=torch.int32)
+            tokens[b, : len(tok)] = torch.tensor(tok)
+            parents[b, : len(par)] = torch.tensor(par, dtype=torch.int32)
         num_nodes = torch.tensor([len(r[0]) for r in rows], dtype=torch.int32)
         return Proposal(tokens.to(dev), parents.to(dev), num_nodes.to(dev))
 
@@ -136,8 +143,8 @@ class NgramDrafter(Drafter):
         conf = torch.ones(B, C + 1)
         depth = torch.zeros(B, C + 1, dtype=torch.long)
         for b, (tok, par, dep, cnt) in enumerate(rows):
-            conf[b, 1:len(tok)] = torch.tensor([cnt[i] / cnt[par[i]] for i in range(1, len(tok))])
-            depth[b, :len(tok)] = torch.tensor(dep)
+            conf[b, 1 : len(tok)] = torch.tensor([cnt[i] / cnt[par[i]] for i in range(1, len(tok))])
+            depth[b, : len(tok)] = torch.tensor(dep)
         local = torch.ones(B, C + 1)  # the policy's P(accepted | parent accepted), per node
         for d in range(1, int(depth.max()) + 1):
             at = depth == d
@@ -145,9 +152,9 @@ class NgramDrafter(Drafter):
         values = torch.full((B, C), -1.0)  # -1: padding, ranked last
         for b, (tok, par, _, _) in enumerate(rows):
             v = [1.0] * len(tok)
-            for i, p in enumerate(local[b, :len(tok)].tolist()[1:], 1):
+            for i, p in enumerate(local[b, : len(tok)].tolist()[1:], 1):
                 v[i] = v[par[i]] * p
-            values[b, :len(tok) - 1] = torch.tensor(v[1:])
+            values[b, : len(tok) - 1] = torch.tensor(v[1:])
         levels = max(max(r[2]) for r in rows)
         N = policy.size(values.clamp(min=0), levels) if C else 0
         T = N + 1
@@ -160,7 +167,9 @@ class NgramDrafter(Drafter):
             n = min(N, len(tok) - 1)
             if n == 0:
                 continue
-            order = torch.sort(values[b], descending=True, stable=True).indices[:n] + 1  # candidate nodes
+            order = (
+                torch.sort(values[b], descending=True, stable=True).indices[:n] + 1
+            )  # candidate nodes
             new = {0: 0}
             for j, node in enumerate(order.tolist(), 1):
                 new[node] = j
@@ -168,4 +177,6 @@ class NgramDrafter(Drafter):
                 parents[b, j] = new[par[node]]
                 confidence[b, j] = conf[b, node]
             num_nodes[b] = n + 1
-        return Proposal(tokens.to(dev), parents.to(dev), num_nodes.to(dev), confidence=confidence.to(dev))
+        return Proposal(
+            tokens.to(dev), parents.to(dev), num_nodes.to(dev), confidence=confidence.to(dev)
+        )

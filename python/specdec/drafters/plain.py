@@ -1,4 +1,5 @@
 """Plain decoding as a drafter: every step proposes the one-node tree (root only, T = 1)."""
+
 from .base import Drafter, Proposal, root_only
 
 

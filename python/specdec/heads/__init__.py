@@ -1,4 +1,5 @@
 """EAGLE heads shipped with the package (package data), one directory per target model."""
+
 import os
 
 DEFAULT_HEAD = "smollm2-135m-instruct"  # trained for the default model (see its CARD.md)
