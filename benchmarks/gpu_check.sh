@@ -87,8 +87,9 @@ print('CUDA kernels registered:', torch.ops.specdec.build_tree_mask(x, torch.one
 "
 
 # ---- op tests first: they are what this session is for ----
-OP_TESTS=(tests/test_cuda_graph.py tests/test_build_tree_mask.py tests/test_compact_kv.py
-          tests/test_tree_verify.py tests/test_rejection.py tests/test_rejection_stats.py)
+OP_TESTS=(tests/ops/test_cuda_graph.py tests/ops/test_build_tree_mask.py tests/ops/test_compact_kv.py
+          tests/ops/test_tree_verify.py tests/ops/test_rejection.py tests/ops/test_rejection_stats.py
+          tests/ops/test_op_limits.py)
 EXISTING_OP_TESTS=()
 for t in "${OP_TESTS[@]}"; do [ -f "$t" ] && EXISTING_OP_TESTS+=("$t"); done
 run_step ops 200 "$PY" -m pytest --device cuda -x -q -rs --junitxml="$OUT/ops_junit.xml" "${EXISTING_OP_TESTS[@]}"

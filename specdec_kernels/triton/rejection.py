@@ -24,7 +24,6 @@ consumption matches the reference exactly (uniforms[b, c] for child c,
 uniforms[b, T] for the bonus), so all backends agree given the same uniforms.
 """
 
-from typing import Optional
 
 import torch
 import triton
@@ -393,7 +392,7 @@ def tree_rejection_sample(
     draft_tokens: torch.Tensor,
     parents: torch.Tensor,
     num_nodes: torch.Tensor,
-    draft_probs: Optional[torch.Tensor],
+    draft_probs: torch.Tensor | None,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,

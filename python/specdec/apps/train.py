@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 import specdec_kernels.ops as ops
 
 from ..errors import InvalidRequestError
-from ..model import rotate_half
 
 MANIFEST = "manifest.json"
 
@@ -572,8 +571,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from .data import sharegpt_prompts
     from ..loader import load_model, resolve_device
+    from .data import sharegpt_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,9 +1,9 @@
 """Seeded fuzzing of the op checks and kernels: random valid and invalid inputs, every backend.
 
-Run as a script (tests/test_op_fuzz.py starts it in a subprocess, so that a crash or a hang is
+Run as a script (tests/ops/test_op_fuzz.py starts it in a subprocess, so that a crash or a hang is
 a failed test and not a dead test run):
 
-    python tests/fuzz_ops.py --op tree_verify --backends cpp,triton --cases 40 --seed 0
+    python tests/ops/fuzz_ops.py --op tree_verify --backends cpp,triton --cases 40 --seed 0
 
 Each case draws a random problem of the op. Valid problems must equal the reference (float64
 for tree_verify, exact for the integer ops and for tree_rejection_sample given the same

@@ -1,6 +1,6 @@
-"""The seeded op fuzzer (tests/fuzz_ops.py) in a subprocess: random valid inputs equal the
+"""The seeded op fuzzer (tests/ops/fuzz_ops.py) in a subprocess: random valid inputs equal the
 reference, random invalid inputs raise a RuntimeError naming the argument, nothing crashes or
-hangs. A longer run: `python tests/fuzz_ops.py --op OP --backends cpp,triton --cases 5000`.
+hangs. A longer run: `python tests/ops/fuzz_ops.py --op OP --backends cpp,triton --cases 5000`.
 """
 
 import importlib.util

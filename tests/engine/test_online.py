@@ -6,12 +6,13 @@ must be reproducible from its seed, for a fixed tree, whatever the arrival patte
 random models, a few seconds per test."""
 
 import pytest
+from test_adaptive import CHEAP_VERIFY
 
 from specdec.drafters import NgramDrafter
 from specdec.eagle import EagleHead
 from specdec.engine import Engine, Request, RequestHandle, SamplingParams
 from specdec.errors import InvalidRequestError
-from test_adaptive import CHEAP_VERIFY
+
 from test_engine import PROMPTS, oracle_head, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -7,6 +7,7 @@ import torch
 from specdec.adaptive import MAX_PROBE, CostModel, Policy
 from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
+
 from test_engine import (
     PROMPTS,
     SAMPLING,

@@ -11,6 +11,7 @@ from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
 from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError, InvalidTreeSpecError
+
 from test_engine import PROMPTS, oracle_head, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -9,11 +9,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_adaptive import CHEAP_VERIFY
 
 from specdec.drafters import Drafter, NgramDrafter, PlainDrafter, Proposal
 from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
-from test_adaptive import CHEAP_VERIFY
+
 from test_engine import PROMPTS, SAMPLING, oracle_head, run, same_distribution_pvalue, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
