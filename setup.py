@@ -18,7 +18,9 @@ _spec.loader.exec_module(build)
 
 
 def extension():
-    rel = lambda paths: [os.path.relpath(p, build.ROOT) for p in paths]
+    def rel(paths):
+        return [os.path.relpath(p, build.ROOT) for p in paths]
+
     if build.want_cuda():
         return CUDAExtension(
             "specdec_kernels._C",

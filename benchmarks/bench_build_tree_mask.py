@@ -1,4 +1,5 @@
-"""Microbenchmark of build_tree_mask: our kernels vs the naive reference (a Python walk), same inputs.
+"""Microbenchmark of build_tree_mask: our kernels vs the naive reference (a Python walk), same
+inputs.
 
 Full random trees of T nodes for B requests. Byte floor: parents and num_nodes read once,
 the packed mask (int64 [B, T, ceil(T/64)]) and depths written once; at these sizes the op

@@ -15,7 +15,7 @@ Goals: CPU (issue 2) ours >= 3x naive; CUDA (issue 3) at V >= 128k, >= 10x naive
 
     python benchmarks/bench_rejection.py             # default CPU sweep (a few minutes)
     python benchmarks/bench_rejection.py --quick     # a few shapes, for a smoke test
-    python benchmarks/bench_rejection.py --threads 1 # one CPU thread for both (steadier on a busy box)
+    python benchmarks/bench_rejection.py --threads 1 # one CPU thread for both (steadier)
     python benchmarks/bench_rejection.py --device cuda
 """
 
@@ -42,7 +42,8 @@ PLANT_PROB, PLANT_BOOST = 0.8, 16.0
 
 
 def plant(parents, V):
-    """(b, node, child) index lists: the first child of a node is favoured with probability PLANT_PROB."""
+    """(b, node, child) index lists: the first child of a node is favoured with probability
+    PLANT_PROB."""
     B, T = parents.shape
     bs, us, cs = [], [], []
     for b in range(B):
@@ -60,7 +61,8 @@ def plant(parents, V):
 
 
 def make_inputs(B, T, V, mode, device):
-    """Arguments of tree_rejection_sample for B requests; the [B, T, V] tensors are drawn on the device."""
+    """Arguments of tree_rejection_sample for B requests; the [B, T, V] tensors are drawn on the
+    device."""
     temperature, top_k, top_p, with_probs = MODES[mode]
     parents, num_nodes = random_trees(B, T, "bushy", full=True)
     draft = torch.randint(0, V, (B, T), dtype=torch.int32)

@@ -135,7 +135,7 @@ def time_flashinfer(sets, row, run, warmup, iters, scale):
 
 
 def add_goals(row, run):
-    """Goal columns per backend: CPU ours >= 3x naive; CUDA at context >= 4k bandwidth and speedup."""
+    """Goal columns per backend: CPU ours >= 3x naive; CUDA (context >= 4k) bandwidth, speedup."""
     for b in run.backends:
         speedup = row.get(f"{b}_speedup")
         if run.device.type == "cpu":

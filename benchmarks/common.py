@@ -91,7 +91,8 @@ def _load_average():
 
 
 def machine_info(device=None):
-    """Where the numbers were measured: platform, CPU model, threads, load, torch (and GPU) versions."""
+    """Where the numbers were measured: platform, CPU model, threads, load, torch (and GPU)
+    versions."""
     info = {
         "platform": platform.platform(),
         "cpu": _cpu_model(),

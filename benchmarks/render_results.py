@@ -31,7 +31,8 @@ def render(path):
     print(f"### {meta['op']} on {meta['device']} ({where})\n")
     print(
         f"{meta['date']}, commit {meta['git_commit'][:10]}, torch {machine['torch']}, "
-        f"copy bandwidth {meta['copy_GBps']:.1f} GB/s, load average {', '.join(f'{x:.1f}' for x in machine.get('load_average_1_5_15min') or [])}; "
+        f"copy bandwidth {meta['copy_GBps']:.1f} GB/s, load average "
+        f"{', '.join(f'{x:.1f}' for x in machine.get('load_average_1_5_15min') or [])}; "
         f"raw: `{path}`\n"
     )
     columns = meta["columns"]

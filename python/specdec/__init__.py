@@ -3,7 +3,7 @@
     from specdec import load_model, Engine, Request, SamplingParams, EagleHead
     model, tok = load_model()
     engine = Engine(model, tok, head=EagleHead.random(model), tree="dynamic:5,8,32")
-    engine = Engine(model, tok, drafter=NgramDrafter(max_n=4, min_n=1), tree="chain:6")  # prompt lookup
+    # prompt lookup: engine = Engine(model, tok, drafter=NgramDrafter(max_n=4), tree="chain:6")
     results, stats = engine.generate([Request(tok.apply_chat_template([...]))])
 
 Names are imported lazily, so `import specdec` (and the CLI's argument parsing) does not

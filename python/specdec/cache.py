@@ -29,7 +29,8 @@ class PagedKVCache:
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Shuffled blocks exercise the block-table indirection (tests); order is irrelevant to speed.
+        # Shuffled blocks exercise the block-table indirection (tests); order is irrelevant to
+        # speed.
         order = torch.randperm(num_blocks) if shuffle_blocks else torch.arange(num_blocks)
         self.block_table = order.view(num_slots, blocks_per_slot).to(
             device=device, dtype=torch.int32
@@ -62,7 +63,8 @@ class PagedKVCache:
     def write_rows(
         self, layer: int, rows: Tensor, picked: Tensor | None, k: Tensor, v: Tensor
     ) -> None:
-        """k, v: [B, T, Hkv, D] -> the rows of `rows(...)` (rows, picked as it returned) in layer `layer`."""
+        """k, v: [B, T, Hkv, D] -> the rows of `rows(...)` (rows, picked as it returned) in layer
+        `layer`."""
         k = k.reshape(-1, *k.shape[2:])
         v = v.reshape(-1, *v.shape[2:])
         if picked is not None:
@@ -79,7 +81,8 @@ class PagedKVCache:
         v: Tensor,
         valid: Tensor | None = None,
     ) -> None:
-        """slots: int [B]; positions: int [B, T] logical; k, v: [B, T, Hkv, D]; valid: bool [B, T] (skip padding)."""
+        """slots: int [B]; positions: int [B, T] logical; k, v: [B, T, Hkv, D]; valid: bool [B, T]
+        (skip padding)."""
         rows, picked = self.rows(slots, positions, valid)
         self.write_rows(layer, rows, picked, k, v)
 

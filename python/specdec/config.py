@@ -36,11 +36,13 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """From a config.json dict (transformers 4 `rope_theta`/`rope_scaling` or 5 `rope_parameters`)."""
+        """From a config.json dict (transformers 4 `rope_theta`/`rope_scaling` or 5
+        `rope_parameters`)."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(
-                f"unsupported model_type {model_type!r}: specdec loads {sorted(SUPPORTED_MODEL_TYPES)}"
+                f"unsupported model_type {model_type!r}: specdec loads "
+                f"{sorted(SUPPORTED_MODEL_TYPES)}"
             )
         _reject_unsupported(cfg)
         missing = [k for k in _REQUIRED_KEYS if k not in cfg]

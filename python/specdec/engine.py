@@ -278,7 +278,8 @@ class Engine:
         if free is not None and need > free:
             raise InvalidRequestError(
                 f"batch_size {batch_size} needs about {need / 2**30:.1f} GiB for its KV caches "
-                f"({cache_len} positions per request) and logits, more than the {free / 2**30:.1f} GiB "
+                f"({cache_len} positions per request) and logits, more than the "
+                f"{free / 2**30:.1f} GiB "
                 f"free on {self.device}: lower batch_size or max_seq_len"
             )
 
@@ -406,7 +407,8 @@ class Engine:
                 ""
                 if self.capacity >= self.max_seq_len
                 else (
-                    f": the model's context of {self.model.args.max_position_embeddings} positions less "
+                    f": the model's context of {self.model.args.max_position_embeddings} "
+                    f"positions less "
                     f"{self.tree_slack} for the verified tree"
                 )
             )

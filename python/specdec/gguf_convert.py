@@ -36,7 +36,8 @@ _LAYER_NAMES = {
 # Byte-level BPE pre-tokenisations that are plain GPT-2 ByteLevel splitting. ("smollm" splits digits
 # one by one first, a no-op for its vocabulary, which has no merge involving a digit.)
 _BYTE_LEVEL_PRE = ("gpt2", "default", "smollm")
-# Control tokens that end a turn, in the chat formats we know of (llama.cpp's end-of-generation set).
+# Control tokens that end a turn, in the chat formats we know of (llama.cpp's end-of-generation
+# set).
 _END_OF_TURN = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
 _CONTROL, _USER_DEFINED = 3, 4
 

@@ -107,7 +107,8 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def gguf_checkpoint_dir(gguf_path: str) -> str:
-    """The cached HF checkpoint dir of a GGUF, converting it on first use (or when the GGUF changed)."""
+    """The cached HF checkpoint dir of a GGUF, converting it on first use (or when the GGUF
+    changed)."""
     gguf_path = os.path.abspath(gguf_path)
     out = os.path.join(cache_root(), os.path.splitext(os.path.basename(gguf_path))[0])
     stamp = _source_stamp(gguf_path)

@@ -143,7 +143,8 @@ def inv_freq(args: ModelArgs) -> Tensor:
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """inv_freq: [D / 2]; positions: int [B, T] -> cos, sin: [B, T, 1, D] in dtype (as transformers)."""
+    """inv_freq: [D / 2]; positions: int [B, T] -> cos, sin: [B, T, 1, D] in dtype (as
+    transformers)."""
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
@@ -235,7 +236,8 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata | Attend
     ) -> Tensor:
         """x: [B, T, in_dim]; cos, sin: [B, T, 1, D]; meta: this forward's AttentionMetadata, or a
-        custom attention (q, k, v) -> [B, T, Hq, D] (differentiable training passes) -> [B, T, dim]."""
+        custom attention (q, k, v) -> [B, T, Hq, D] (differentiable training passes) -> [B, T, dim].
+        """
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         out = self.attend(q, k, v, meta) if isinstance(meta, AttentionMetadata) else meta(q, k, v)
@@ -272,7 +274,8 @@ class TransformerBlock(nn.Module):
         attn_in: Tensor | None = None,
     ) -> Tensor:
         """x: [B, T, dim]; cos, sin: [B, T, 1, D]; meta: see Attention.forward; attn_in: the
-        attention's input when it is not attention_norm(x) (EAGLE-3: [B, T, 2 * dim]) -> [B, T, dim]."""
+        attention's input when it is not attention_norm(x) (EAGLE-3: [B, T, 2 * dim]) -> [B, T,
+        dim]."""
         attn_in = self.attention_norm(x) if attn_in is None else attn_in
         h = x + self.attention(attn_in, cos, sin, meta)
         return h + self.feed_forward(self.ffn_norm(h))

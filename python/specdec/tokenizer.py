@@ -24,7 +24,8 @@ class Tokenizer:
         special_tokens: dict,
         eos_token_ids: set,
     ):
-        """special_tokens: {"bos_token": "<s>", ...} (strings or None); eos_token_ids: ids that end a reply."""
+        """special_tokens: {"bos_token": "<s>", ...} (strings or None); eos_token_ids: ids that end
+        a reply."""
         self._tok = tokenizer
         self._template = _compile(chat_template) if chat_template else None
         self.special_tokens = special_tokens

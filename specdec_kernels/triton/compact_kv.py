@@ -76,7 +76,8 @@ def compact_kv(
     accepted_nodes: torch.Tensor,
     num_accepted: torch.Tensor,
 ) -> None:
-    """In place. k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D]
+    """In place. k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size,
+    Hkv, D]
     (contiguous, validated); block_table: int [B, max_blocks]; cache_lens, num_accepted: int [B];
     accepted_nodes: int [B, T].
 

@@ -24,7 +24,6 @@ consumption matches the reference exactly (uniforms[b, c] for child c,
 uniforms[b, T] for the bonus), so all backends agree given the same uniforms.
 """
 
-
 import torch
 import triton
 import triton.language as tl

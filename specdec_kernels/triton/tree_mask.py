@@ -41,7 +41,8 @@ def _tree_mask_kernel(
 def build_tree_mask(
     parents: torch.Tensor, num_nodes: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32 [B, T]).
+    """parents: int [B, T], num_nodes: int [B] -> (tree_mask int64 [B, T, ceil(T/64)], depth int32
+    [B, T]).
 
     A custom op, so torch.compile treats the launch as one opaque call."""
     B, T = parents.shape

@@ -242,13 +242,13 @@ def _merge_kernel(
     d_ok = d < D
     part = row * NUM_SPLITS + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+    sums = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
     acc = tl.load(
         part_acc_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
     )
     m_max = tl.max(m, 0)
     w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
-    total = tl.sum(w * l, 0)
+    total = tl.sum(w * sums, 0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 

@@ -293,7 +293,8 @@ def default_gguf_head(n):
         return f.read(n)
 
 
-# case -> (flags, a phrase the one error line must hold); the tiny model unless --model says otherwise
+# case -> (flags, a phrase the one error line must hold); the tiny model unless --model says
+# otherwise
 FILE_AND_BOUND_ERRORS = {
     "empty gguf": (
         lambda t, m: ["--model", gguf_file(t, "e.gguf", b"")],

@@ -159,7 +159,7 @@ def tiny_target(seed=0):
 
 
 def extend(head, cache, slot, tokens, features):
-    """Chain pass of the head over new (token, feature) pairs of one slot; returns hidden [M, dim]."""
+    """Chain pass of the head over new (token, feature) pairs of one slot -> hidden [M, dim]."""
     M = len(tokens)
     slots = torch.tensor([slot])
     parents = torch.arange(-1, M - 1, dtype=torch.int32)[None]

@@ -39,7 +39,10 @@ def target():
 def official_checkpoint(version, draft_vocab=VOCAB, dim=DIM, fc_in=None):
     """Random weights under the official EAGLE names, and the config.json next to them."""
     g = torch.Generator().manual_seed(version)
-    r = lambda *shape: torch.randn(*shape, generator=g) * 0.3
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.3
+
     pre = "midlayer." if version == 3 else "layers.0."
     attn_in = 2 * dim if version == 3 else dim
     sd = {
@@ -107,7 +110,10 @@ def reference_head(sd, version, target, tokens, features):
     tokens: [S]; features: [S, F] -> (hidden [S, dim], logits [S, V] over target ids)."""
     sd = {k: v.double() for k, v in sd.items()}
     pre = "midlayer." if version == 3 else "layers.0."
-    w = lambda name: sd[pre + name + ".weight"]
+
+    def w(name):
+        return sd[pre + name + ".weight"]
+
     emb = target.tok_embeddings.weight.double()[tokens]
     S = len(tokens)
     if version == 3:
@@ -122,7 +128,10 @@ def reference_head(sd, version, target, tokens, features):
     inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
     ang = torch.arange(S, dtype=torch.float64)[:, None] * inv
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    rot = lambda t: torch.cat((-t[..., HEAD_DIM // 2 :], t[..., : HEAD_DIM // 2]), -1)
+
+    def rot(t):
+        return torch.cat((-t[..., HEAD_DIM // 2 :], t[..., : HEAD_DIM // 2]), -1)
+
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
     k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
     attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(S, -1)

@@ -114,9 +114,12 @@ def test_greedy_mixed_lengths_and_cache_limit(model):
     """Different max_new_tokens per request and a cache that fills up: 'length', no crash;
     outputs still match plain decoding."""
     head = oracle_head(model)
-    reqs = lambda: [
-        Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, (3, 40, 7, 60))
-    ]
+
+    def reqs():
+        return [
+            Request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(PROMPTS, (3, 40, 7, 60))
+        ]
+
     outs = []
     for h in (None, head):
         eng = Engine(model, head=h, tree="dynamic:4,3,10", batch_size=2, max_seq_len=32)

@@ -83,7 +83,7 @@ def test_no_import_cycles():
 
 
 def test_layers():
-    """Only entry points import the CLI; only entry points and applications import the applications."""
+    """Only entry points import the CLI; only entry points and applications import the apps."""
     graph = import_graph()
     for name, deps in graph.items():
         if name not in ENTRY_POINTS:

@@ -1,4 +1,5 @@
-"""Model loading: the default GGUF and its conversion cache, HF checkpoint dirs, typed errors, tokenizer."""
+"""Model loading: the default GGUF and its conversion cache, HF checkpoint dirs, typed errors,
+tokenizer."""
 
 import json
 import os

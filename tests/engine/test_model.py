@@ -1,4 +1,5 @@
-"""The target model: tree verification against sequential decoding, and exactness against transformers.
+"""The target model: tree verification against sequential decoding, and exactness against
+transformers.
 
 float32 throughout (tree_verify has no float64 path): logits of the same computation done in a
 different order agree to ~1e-5, so comparisons use atol = rtol = 1e-4.
@@ -187,7 +188,8 @@ def test_prefill_matches_decode_and_features():
 
 
 def test_flat_block_parameter_names_still_load():
-    """TransformerBlock's parameters before it had Attention / FeedForward submodules (layers.i.wqkv,
+    """TransformerBlock's parameters before it had Attention / FeedForward submodules
+    (layers.i.wqkv,
     .wo, .w13, .w2: what loader.py builds, older training checkpoints) load into the nested ones."""
     model = random_model(tiny_args())
     nested = {
@@ -312,7 +314,8 @@ def greedy(model, tokenizer, prompt_ids, max_new_tokens):
 
 @pytest.mark.slow
 def test_default_model_greedy_matches_transformers(capsys, transformers):
-    """Greedy decoding of the default model (float32, CPU) reproduces transformers' generate token for
+    """Greedy decoding of the default model (float32, CPU) reproduces transformers' generate token
+    for
     token on 20 chat prompts. (Speed is the benchmarks' business: `specdec bench` times our plain
     loop against HF generate.)"""
     model, tokenizer = load_model()

@@ -107,9 +107,9 @@ def test_greedy_independent_of_arrival_and_batch(model, contextual_model, kind):
 
 @pytest.mark.parametrize("kind", ["chain", "dynamic", "ngram"])
 def test_sampled_seed_reproducible_regardless_of_arrival(model, kind):
-    params = lambda i: SamplingParams(
-        temperature=0.9, top_p=0.95, seed=100 + i, max_new_tokens=LENGTHS[i]
-    )
+    def params(i):
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_new_tokens=LENGTHS[i])
+
     want = None
     for batch_size, pattern in (
         (1, "all"),

@@ -1,4 +1,5 @@
-"""specdec.apps.train: self-distillation shards, the differentiable head pass, training, resume, loading."""
+"""specdec.apps.train: self-distillation shards, the differentiable head pass, training, resume,
+loading."""
 
 import json
 import os

@@ -87,7 +87,7 @@ def slot(p, b, pos):
 
 
 def expected_by_hand(p, cache):
-    """Independent oracle: destination slots get their source rows, every other slot is unchanged."""
+    """Independent oracle: destination slots get their source rows, all other slots unchanged."""
     src_cache = cache if cache.dim() == 5 else cache.unsqueeze(0)
     out = src_cache.clone()
     for b in range(p["block_table"].shape[0]):

@@ -102,7 +102,10 @@ def verify_step(x):
 def reference_step(x):
     """verify_step by the references on CPU (float64 attention and sampling); mutates x's caches."""
     tree_mask, depth = reference.build_tree_mask(x["parents"], x["num_nodes"])
-    f64 = lambda t: t.double()
+
+    def f64(t):
+        return t.double()
+
     attn = reference.tree_verify(
         f64(x["q"]),
         f64(x["k_cache"][0]),
@@ -146,7 +149,10 @@ def poison(outputs):
 def test_verify_step_replays_like_eager():
     if sk.validate_enabled():
         pytest.skip("SPECDEC_VALIDATE=1 reads index values on the host, which capture forbids")
-    cuda = lambda x: {name: t.cuda() for name, t in x.items()}
+
+    def cuda(x):
+        return {name: t.cuda() for name, t in x.items()}
+
     static = cuda(random_step())
 
     side = torch.cuda.Stream()

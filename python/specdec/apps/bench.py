@@ -358,7 +358,8 @@ def plot(result: dict, prefix: str) -> list:
 def summary(result: dict) -> str:
     c = result["config"]
     lines = [
-        f"{c['machine']}, {c['device']}, {c['dtype']}, {c['threads']} threads; {c['date']}, commit {c['commit']}"
+        f"{c['machine']}, {c['device']}, {c['dtype']}, {c['threads']} threads; {c['date']}, "
+        f"commit {c['commit']}"
     ]
     tables = [(f"batch 1, temperature {temp}", rows) for temp, rows in result["batch1"].items()]
     if "hostile" in result:
@@ -437,7 +438,8 @@ def add_arguments(p):
     g.add_argument(
         "--serving",
         action="store_true",
-        help="plain, the tree and adaptive mode at a sweep of arrival rates; writes PREFIX_serving.json "
+        help="plain, the tree and adaptive mode at a sweep of arrival rates; writes "
+        "PREFIX_serving.json "
         "(with --quick: 2 rates, 6 requests, 16 tokens, batch size 4)",
     )
     g.add_argument(

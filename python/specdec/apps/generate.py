@@ -1,4 +1,5 @@
-"""`specdec generate`: decode prompts with the engine, speculatively (EAGLE, n-gram lookup) or plainly.
+"""`specdec generate`: decode prompts with the engine, speculatively (EAGLE, n-gram lookup) or
+plainly.
 
     specdec generate --prompt "Why is the sky blue?"            # default model + its EAGLE head
     specdec generate --prompts in.jsonl --output out.jsonl --method plain --batch-size 4
@@ -50,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--tree",
         default="adaptive",
-        help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default %(default)s: "
+        help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default "
+        "%(default)s: "
         "depth and size chosen each step from this machine's measured costs); for ngram, TOPK "
         "bounds the branches (earlier occurrences of the matched n-gram)",
     )
@@ -78,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--output",
         metavar="FILE.jsonl",
-        help="a row per prompt, written as it finishes: id, prompt, text, token_ids, finish_reason, "
+        help="a row per prompt, written as it finishes: id, prompt, text, token_ids, "
+        "finish_reason, "
         "error, stats",
     )
 
@@ -284,7 +287,8 @@ def read_prompts(args) -> tuple[list, dict]:
     for i, p in enumerate(prompts):
         if not isinstance(p, str):
             rejected[i] = (
-                f"request {i}: the prompt must be a string, got {type(p).__name__} {json.dumps(p):.40}"
+                f"request {i}: the prompt must be a string, got {type(p).__name__} "
+                f"{json.dumps(p):.40}"
             )
         elif not p.strip():
             rejected[i] = f"request {i}: empty prompt"

@@ -5,7 +5,8 @@ list of requests (MT-bench first turns, cycled) arrives at exponential inter-arr
 (seeded); a real-time loop submits each one when its time comes (Engine.submit) and steps the
 engine (Engine.step) while anything is queued or active, sleeping when it is idle. Per rate:
 TTFT / TPOT / end-to-end latency P50 / P95 / P99 (from the scheduled arrival, so time a request
-waited for the loop counts, to the end of the step that emitted its first / last token), throughput (generated tokens per second from the first
+waited for the loop counts, to the end of the step that emitted its first / last token),
+throughput (generated tokens per second from the first
 arrival to the last finish), goodput (requests per second that met both SLOs), mean batch
 occupancy (time-weighted) and queue length. Writes PREFIX_serving.json and
 PREFIX_serving_{latency,throughput}.png.
@@ -170,7 +171,8 @@ def run_serving(
             )
             log(
                 f"[serving {name} @ {rate} req/s] {r['throughput_tok_s']:.2f} tok/s, goodput "
-                f"{r['goodput_req_s']:.3f} req/s, TTFT P50 {1000 * r['ttft_s'].get('p50', 0):.0f} ms, "
+                f"{r['goodput_req_s']:.3f} req/s, TTFT P50 "
+                f"{1000 * r['ttft_s'].get('p50', 0):.0f} ms, "
                 f"occupancy {r['mean_occupancy']:.2f}"
             )
         result["methods"][name] = rows
@@ -180,7 +182,8 @@ def run_serving(
 def summary(result: dict) -> str:
     c = result["config"]
     lines = [
-        f"{c['machine']}, {c['device']}, {c['dtype']}; {c['date']}, commit {c['commit']}; batch_size "
+        f"{c['machine']}, {c['device']}, {c['dtype']}; {c['date']}, commit {c['commit']}; "
+        f"batch_size "
         f"{c['batch_size']}, {c['num_requests']} requests x {c['max_new_tokens']} tokens, SLO TTFT "
         f"{1000 * c['slo_ttft_s']:.0f} ms / TPOT {1000 * c['slo_tpot_s']:.0f} ms",
         f"{'method':<28}{'rate':>6}{'tok/s':>9}{'goodput':>9}{'occ':>6}"
@@ -188,7 +191,10 @@ def summary(result: dict) -> str:
     ]
     for name, rows in result["methods"].items():
         for rate, r in rows.items():
-            ms = lambda p: "/".join(f"{1000 * p.get(k, 0):.0f}" for k in ("p50", "p95", "p99"))
+
+            def ms(p):
+                return "/".join(f"{1000 * p.get(k, 0):.0f}" for k in ("p50", "p95", "p99"))
+
             lines.append(
                 f"{name:<28}{rate:>6}{r['throughput_tok_s']:>9.2f}{r['goodput_req_s']:>9.3f}"
                 f"{r['mean_occupancy']:>6.2f}{ms(r['ttft_s']):>22}{ms(r['tpot_s']):>22}"

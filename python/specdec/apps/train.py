@@ -180,7 +180,8 @@ def shard_paths(data_dir: str) -> list:
 
 
 def load_shards(data_dir: str, paths: list | None = None) -> list:
-    """Shards (default: all complete ones) -> list of (tokens long [S], hidden bf16 [S, dim], prompt_len)."""
+    """Shards (default: all complete ones) -> list of (tokens long [S], hidden bf16 [S, dim],
+    prompt_len)."""
     seqs = []
     for path in shard_paths(data_dir) if paths is None else paths:
         t = load_file(path)
@@ -529,7 +530,8 @@ def add_arguments(p):
         "--ttt-steps",
         type=int,
         default=1,
-        help="passes per batch; > 1 trains on the head's own predicted features (EAGLE-3 training-time test)",
+        help="passes per batch; > 1 trains on the head's own predicted features (EAGLE-3 "
+        "training-time test)",
     )
     p.add_argument(
         "--noise",

@@ -123,7 +123,7 @@ class Drafter(ABC):
         raise NotImplementedError(f"the {self.name} drafter has no adaptive mode")
 
     # ------------------------------------------------------------------ per run
-    def setup(self, setup: Setup) -> None:
+    def setup(self, setup: Setup) -> None:  # noqa: B027 (an optional hook: most drafters keep no state)
         """Allocates per-slot state (called once by the engine)."""
 
     @abstractmethod
