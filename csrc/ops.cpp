@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cpu/isa.h"
 
 namespace specdec {
 namespace {
@@ -191,7 +192,13 @@ TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
 }
 #endif
 
-// The loader passes specdec_kernels.envs.SPECDEC_VALIDATE here right after loading the library.
-TORCH_LIBRARY_FRAGMENT(specdec, m) { m.def("_set_validate(bool enabled) -> ()", &set_validate); }
+// The loader passes specdec_kernels.envs.SPECDEC_VALIDATE and SPECDEC_CPU_ISA here right after
+// loading the library: configuration reaches C++ explicitly, never through getenv.
+void set_cpu_isa_op(c10::string_view name) { set_cpu_isa(std::string(name)); }
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("_set_validate(bool enabled) -> ()", &set_validate);
+  m.def("_set_cpu_isa(str isa) -> ()", &set_cpu_isa_op);
+}
 
 }  // namespace specdec

@@ -8,7 +8,7 @@ docs/ops.md for the op contract).
 """
 
 from . import envs
-from ._library import load_library, set_validate, validate_enabled
+from ._library import load_library, set_cpu_isa, set_validate, validate_enabled
 
 load_library()
 
@@ -30,6 +30,7 @@ __all__ = [
     "load_library",
     "make_uniforms",
     "reference",
+    "set_cpu_isa",
     "set_validate",
     "tree_rejection_sample",
     "tree_verify",

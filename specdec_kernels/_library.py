@@ -30,7 +30,8 @@ Build it in one of these ways:
   SPECDEC_JIT=1 python -c "import specdec_kernels"      # JIT: compile with ninja at import
 (or run `make test` / `make demo` from the repository root, which do the first)."""
 
-_STALE = """specdec_kernels: the compiled library {path} has no op specdec::_set_validate:
+_STALE = """specdec_kernels: the compiled library {path} has no op specdec::_set_validate or
+specdec::_set_cpu_isa:
 it was built from older sources. Rebuild it (pip install --no-build-isolation ., or
 python setup.py build_ext --inplace), or set SPECDEC_JIT=1."""
 
@@ -80,10 +81,20 @@ def load_library() -> str:
             raise ImportError(_MISSING.format(here=_HERE))
         torch.ops.load_library(path)
         how = "aot"
-    if not hasattr(torch.ops.specdec, "_set_validate"):
+    if not (
+        hasattr(torch.ops.specdec, "_set_validate") and hasattr(torch.ops.specdec, "_set_cpu_isa")
+    ):
         raise ImportError(_STALE.format(path=path))
     set_validate(envs.SPECDEC_VALIDATE)
+    set_cpu_isa(envs.SPECDEC_CPU_ISA)
     return how
+
+
+def set_cpu_isa(isa: str | None) -> None:
+    """Caps the instruction set of the C++ CPU kernels for the whole process: "avx512bf16"
+    (None: no cap, the widest build the CPU runs), "avx512", "avx2" or "baseline". The initial
+    value is ``SPECDEC_CPU_ISA``, read when the library loads; RuntimeError for another name."""
+    torch.ops.specdec._set_cpu_isa(isa or "")
 
 
 def set_validate(enabled: bool) -> None:

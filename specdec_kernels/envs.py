@@ -33,7 +33,8 @@ SPECDEC_VALIDATE           ``1``: run the data-dependent input checks on CUDA te
                            ``specdec_kernels.set_validate(bool)``.
 SPECDEC_CPU_ISA            Caps the CPU kernels' instruction set: ``avx512bf16``,
                            ``avx512``, ``avx2`` or ``baseline`` (default: the best the
-                           CPU has). Read by the C++ library itself (csrc/cpu/isa.cpp).
+                           CPU has). Passed to C++ when the library loads;
+                           ``specdec_kernels.set_cpu_isa(name)`` changes it at run time.
 SPECDEC_CACHE_DIR          Where ``specdec`` caches the converted default model (default
                            ``~/.cache/specdec``).
 SPECDEC_TEST_DEVICE        Default of ``pytest --device`` (``cpu`` or ``cuda``).

@@ -56,6 +56,17 @@ def _fresh_seed(request):
     return seed
 
 
+@pytest.fixture
+def cpu_isa():
+    """cpu_isa(name) caps the C++ CPU kernels' build for this test (specdec_kernels.set_cpu_isa);
+    the cap of SPECDEC_CPU_ISA is restored afterwards."""
+    import specdec_kernels
+    from specdec_kernels import envs
+
+    yield specdec_kernels.set_cpu_isa
+    specdec_kernels.set_cpu_isa(envs.SPECDEC_CPU_ISA)
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Model-level tests (tiny matmuls, the 135M model) on a 2-core box: intra-op threads mostly

@@ -3,10 +3,31 @@
 #include <torch/types.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <atomic>
 #include <string>
 
 namespace specdec {
+namespace {
+
+// The cap set by set_cpu_isa (from specdec_kernels.envs.SPECDEC_CPU_ISA when the library loads).
+std::atomic<CpuIsa> g_cap{CpuIsa::kAvx512Bf16};
+
+}  // namespace
+
+void set_cpu_isa(const std::string& name) {
+  CpuIsa cap = CpuIsa::kAvx512Bf16;
+  if (name == "avx512") {
+    cap = CpuIsa::kAvx512;
+  } else if (name == "avx2") {
+    cap = CpuIsa::kAvx2;
+  } else if (name == "baseline") {
+    cap = CpuIsa::kBaseline;
+  } else {
+    TORCH_CHECK(name.empty() || name == "avx512bf16",
+                "SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2 or baseline, got '", name, "'");
+  }
+  g_cap.store(cap, std::memory_order_relaxed);
+}
 
 CpuIsa cpu_isa() {
   static const CpuIsa hardware = [] {
@@ -20,20 +41,7 @@ CpuIsa cpu_isa() {
     }
     return __builtin_cpu_supports("avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
   }();
-  const char* env = std::getenv("SPECDEC_CPU_ISA");
-  const std::string cap = env ? env : "";
-  CpuIsa limit = CpuIsa::kAvx512Bf16;
-  if (cap == "avx512") {
-    limit = CpuIsa::kAvx512;
-  } else if (cap == "avx2") {
-    limit = CpuIsa::kAvx2;
-  } else if (cap == "baseline") {
-    limit = CpuIsa::kBaseline;
-  } else {
-    TORCH_CHECK(cap.empty() || cap == "avx512bf16",
-                "SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2 or baseline, got '", cap, "'");
-  }
-  return std::min(hardware, limit);
+  return std::min(hardware, g_cap.load(std::memory_order_relaxed));
 }
 
 }  // namespace specdec

@@ -1,13 +1,19 @@
 // Which vector build of a CPU kernel to run.
 #pragma once
 
+#include <string>
+
 namespace specdec {
 
 // Instruction sets of the CPU kernels' builds, narrowest first (so they compare).
 enum class CpuIsa { kBaseline, kAvx2, kAvx512, kAvx512Bf16 };
 
-// The widest build this CPU runs, capped by SPECDEC_CPU_ISA=avx512bf16|avx512|avx2|baseline.
-// The variable is read at every call, so the tests exercise every build on one machine.
+// The widest build this CPU runs, capped by set_cpu_isa.
 CpuIsa cpu_isa();
+
+// Caps cpu_isa() for the whole process: "avx512bf16" (or "": no cap), "avx512", "avx2",
+// "baseline". Registered as torch.ops.specdec._set_cpu_isa; the Python loader passes
+// specdec_kernels.envs.SPECDEC_CPU_ISA, and the tests switch builds at run time with it.
+void set_cpu_isa(const std::string& name);
 
 }  // namespace specdec

@@ -181,9 +181,9 @@ ISA_LEVEL = {"DEFAULT": 0, "NO AVX": 0, "AVX2": 1, "AVX512": 2, "ZVECTOR": 0, "V
     [None, torch.float32, torch.float64, torch.bfloat16],
     ids=["point_mass", "dp_float32", "dp_float64", "dp_bfloat16"],
 )
-def test_cpu_isa_builds(isa, with_dp, device, monkeypatch):
+def test_cpu_isa_builds(isa, with_dp, device, cpu_isa):
     """The C++ CPU kernel is compiled for AVX-512, AVX2 and the baseline ISA (vector widths
-    8, 4, 2 doubles) and runs the widest the CPU has; SPECDEC_CPU_ISA caps it so the narrower
+    8, 4, 2 doubles) and runs the widest the CPU has; set_cpu_isa caps it so the narrower
     builds are tested too. float32 / float64 draft rows take the vector subtraction, other
     dtypes a scalar one; odd V leaves a partial vector at the end of every loop."""
     if device.type != "cpu":
@@ -193,7 +193,7 @@ def test_cpu_isa_builds(isa, with_dp, device, monkeypatch):
         < {"baseline": 0, "avx2": 1, "avx512": 2}[isa]
     ):
         pytest.skip(f"this CPU cannot run the {isa} build")
-    monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+    cpu_isa(isa)
     for V in (131, 1027):
         args = random_problem(
             24, 10, V, "bushy", with_dp is not None, dp_dtype=with_dp or torch.float32

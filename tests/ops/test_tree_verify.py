@@ -133,7 +133,7 @@ def _cpu_has_avx512_bf16():
 
 
 def _skip_unless_isa(isa, device):
-    """Skips unless the C++ CPU kernel can run build `isa` (a SPECDEC_CPU_ISA value) here."""
+    """Skips unless the C++ CPU kernel can run build `isa` (a set_cpu_isa value) here."""
     if device.type != "cpu":
         pytest.skip("CPU kernel builds")
     need = {"baseline": 0, "avx2": 1, "avx512": 2, "avx512bf16": 2}[isa]
@@ -145,26 +145,26 @@ def _skip_unless_isa(isa, device):
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_isa_builds(isa, dtype, device, monkeypatch):
+def test_cpu_isa_builds(isa, dtype, device, cpu_isa):
     """The C++ CPU kernel is compiled for AVX-512 (+ a bf16 dot-product build for bfloat16),
-    AVX2 and the baseline ISA and runs the widest the CPU has; SPECDEC_CPU_ISA caps it so
+    AVX2 and the baseline ISA and runs the widest the CPU has; set_cpu_isa caps it so
     the narrower builds are tested too."""
     _skip_unless_isa(isa, device)
-    monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+    cpu_isa(isa)
     check(make_case(2, 20, 8, 2, 40, 4, dtype, device, cache_lens=[300, 7]), "cpp")
 
 
 @pytest.mark.parametrize("D", [35, 128])
-def test_bf16_dot_product_build(D, device, monkeypatch):
+def test_bf16_dot_product_build(D, device, cpu_isa):
     """The vdpbf16ps build pairs head dims (odd D: a zero partner) and key positions (a
     tile of odd length: a zero partner), and rounds the probabilities to bf16: against the
-    reference and against the float build (SPECDEC_CPU_ISA=avx512), rows padded to 32
+    reference and against the float build (set_cpu_isa("avx512")), rows padded to 32
     (group 3, 7 nodes: 21 rows), positions split across tasks (one long request)."""
     _skip_unless_isa("avx512bf16", device)
     case = make_case(2, 7, 6, 2, D, 4, torch.bfloat16, device, cache_lens=[777, 12], full=True)
-    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512bf16")
+    cpu_isa("avx512bf16")
     dot = check(case, "cpp")
-    monkeypatch.setenv("SPECDEC_CPU_ISA", "avx512")
+    cpu_isa("avx512")
     flt = check(case, "cpp")
     tol = TOL[torch.bfloat16]
     torch.testing.assert_close(dot.double(), flt.double(), atol=tol, rtol=tol)
@@ -356,3 +356,8 @@ def test_torch_compile_fullgraph(device):
     got = layer(*_op_args(case)[:-1])
     want = torch.ops.specdec.tree_verify(*_op_args(case)) + 1.0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_isa_names_are_checked(cpu_isa):
+    with pytest.raises(RuntimeError, match="SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2"):
+        cpu_isa("avx1024")
