@@ -30,7 +30,7 @@ SOURCES := pyproject.toml setup.py $(shell find specdec_kernels python csrc -typ
 	-not -path '*/__pycache__/*' 2>/dev/null)
 CXX_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 2>/dev/null)
 
-.PHONY: help demo test lint format install install-test clean
+.PHONY: help demo test lint typecheck format install install-test clean
 .DEFAULT_GOAL := help
 
 help:
@@ -78,6 +78,10 @@ lint: $(VENV)/.stamp-lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/clang-format --dry-run --Werror $(CXX_SOURCES)
+
+# mypy on the engine's public modules ([tool.mypy] in pyproject.toml); needs the test install.
+typecheck: $(VENV)/.stamp-test
+	$(BIN)/mypy
 
 format: $(VENV)/.stamp-lint
 	$(BIN)/ruff check --fix .

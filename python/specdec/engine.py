@@ -310,18 +310,18 @@ class Engine:
         finish_reason "error" (its Result's .error says why) and the others run; when no
         request is valid, InvalidRequestError names every problem. A request that fails while
         it runs (e.g. NaN logits) also finishes alone with finish_reason "error"."""
-        requests = [r if isinstance(r, Request) else Request(list(r)) for r in requests]
+        reqs = [r if isinstance(r, Request) else Request(list(r)) for r in requests]
         rejected = {}
-        for i, r in enumerate(requests):
+        for i, r in enumerate(reqs):
             if r.id is None:
                 r.id = i
             try:
                 self.validate(r)
             except InvalidRequestError as e:
                 rejected[i] = str(e)
-        if requests and len(rejected) == len(requests):
+        if reqs and len(rejected) == len(reqs):
             raise InvalidRequestError(join_errors(list(rejected.values())))
-        return Run(self, requests, on_finish, rejected)
+        return Run(self, reqs, on_finish, rejected)
 
     # ------------------------------------------------------------------ online API
     def submit(
@@ -359,7 +359,7 @@ class Engine:
         does not depend on when it was submitted or which requests shared its steps; sampled
         output is reproducible from its seed for a fixed tree shape (in adaptive mode the tree
         size follows the batch)."""
-        gained = {}
+        gained: dict[object, list[int]] = {}
         for s, tokens in self._advance():
             gained.setdefault(s.req.id, []).extend(tokens)
         return gained
@@ -437,7 +437,7 @@ class Engine:
     def _advance(self) -> list:
         """One engine step -> [(seq, tokens it gained)] in order (a request appears at most
         twice: its first token, then its first verify step)."""
-        events = []
+        events: list[tuple[_Seq, list[int]]] = []
         if not self.has_work:
             return events
         timers = list(self._timers)
@@ -488,6 +488,7 @@ class Engine:
             events.append((s, kept))
 
     def _hit_stop(self, s: _Seq) -> bool:
+        assert self.tokenizer is not None  # validate() rejects stop strings without one
         text = self.tokenizer.decode(s.tokens)
         cuts = [text.find(stop) for stop in s.req.params.stop if stop in text]
         if cuts:
@@ -519,7 +520,7 @@ class Engine:
             prompt_ids,
             list(s.tokens),
             s.text,
-            s.finish_reason,
+            s.finish_reason or "error",  # set before a sequence finishes
             s.stats,
             s.error,
         )
@@ -672,12 +673,12 @@ class Engine:
         try:
             return ops.tree_rejection_sample(*args)
         except (RuntimeError, ValueError):
-            rows, failed = [], {}
+            rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+            failed: dict[int, str] = {}
             for b in range(len(seqs)):
                 try:
-                    rows.append(
-                        ops.tree_rejection_sample(*(a if a is None else a[b : b + 1] for a in args))
-                    )
+                    row_args = [a if a is None else a[b : b + 1] for a in args]
+                    rows.append(ops.tree_rejection_sample(*row_args))  # type: ignore[arg-type]
                 except (RuntimeError, ValueError) as e:
                     failed[b] = str(e).strip().splitlines()[0]
                     rows.append(None)
@@ -731,10 +732,10 @@ class Run:
         self.engine, self.on_finish = engine, on_finish
         self.rejected = dict(rejected or {})
         self.requests = list(requests)
-        self.results = [None] * len(requests)
+        self.results: list[Result] = [None] * len(requests)  # type: ignore[list-item]  # filled as requests finish
         self.per_request = [None] * len(requests)
         self.engine_stats = Stats(num_requests=len(requests))  # run-level time split
-        self.stats = None
+        self.stats: Stats = None  # type: ignore[assignment]  # the aggregate, once the run is exhausted
         self._events = self._loop()
 
     def __iter__(self):

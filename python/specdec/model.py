@@ -214,6 +214,9 @@ class Attention(nn.Module):
                 enable_gqa=self.n_heads != self.n_kv_heads,
             )
             return out.transpose(1, 2)
+        # verify mode always has them (AttentionMetadata.verify)
+        assert meta.tree_mask is not None and meta.block_table is not None
+        assert meta.cache_lens is not None and meta.num_nodes is not None
         B, M = q.shape[:2]
         T, start = meta.tree_mask.shape[1], meta.start
         if M != T:  # a head adding nodes start..start+M-1: earlier nodes ask no query
@@ -332,7 +335,8 @@ class Transformer(nn.Module):
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions: int [B, T] -> cos, sin: [B, T, 1, D] (computed as transformers does)."""
-        return rope_cos_sin(self.inv_freq, positions, self.tok_embeddings.weight.dtype)
+        inv_freq = self.get_buffer("inv_freq")  # registered in __init__
+        return rope_cos_sin(inv_freq, positions, self.tok_embeddings.weight.dtype)
 
     def _layers(
         self,

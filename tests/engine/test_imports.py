@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import specdec
 import specdec_kernels
 
@@ -140,3 +142,21 @@ def test_module_entry_points():
         assert proc.returncode == 0 and flag in proc.stdout, (module, proc.stdout, proc.stderr)
         if subcommand:
             assert proc.stdout.startswith(f"usage: specdec {subcommand}"), proc.stdout
+
+
+def test_every_package_is_installed():
+    """Each package directory of the checkout is listed in pyproject.toml, so that `pip install`
+    ships it (a subpackage missing there imports from a checkout but not from an install)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        setuptools_cfg = tomllib.load(f)["tool"]["setuptools"]
+    listed = set(setuptools_cfg["packages"])
+    found = set()
+    for name, src in setuptools_cfg["package-dir"].items():
+        base = os.path.join(root, src)
+        for dirpath, _, files in os.walk(base):
+            if "__init__.py" in files:
+                rel = os.path.relpath(dirpath, base)
+                found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
+    assert found <= listed, f"not in pyproject.toml [tool.setuptools] packages: {found - listed}"

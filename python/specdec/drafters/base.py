@@ -130,15 +130,16 @@ class Drafter(ABC):
     def start(
         self,
         slots: torch.Tensor,
-        prompts: list,
+        prompts: list[torch.Tensor],
         first_tokens: torch.Tensor,
-        hidden: torch.Tensor,
-        aux: tuple,
-        ok: list,
+        hidden: list[torch.Tensor],
+        aux: list[torch.Tensor],
+        ok: list[bool],
     ) -> None:
         """New requests in slots (long [B]): prompts (long [S_b] each), first_tokens (long [B],
-        sampled from the prefill), the target's prefill hidden states ([B, S, dim], padded;
-        aux: at feature_layers); ok[b] False: the request already failed."""
+        sampled from the prefill), the target's prefill hidden states per request ([S_b, dim]
+        final-norm outputs; aux: [S_b, len(feature_layers) * dim]); ok[b] False: the request
+        already failed."""
 
     @abstractmethod
     def propose(

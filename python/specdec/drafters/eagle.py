@@ -49,7 +49,7 @@ class EagleDrafter(Drafter):
             setup.batch_size, setup.model.args.dim, dtype=head.fc.weight.dtype, device=setup.device
         )
         # per slot: (tokens, target features) accepted since the head last ran (_catch_up)
-        self.pending = {}
+        self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def start(self, slots, prompts, first_tokens, hidden, aux, ok) -> None:
         """Queues the head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair

@@ -96,7 +96,7 @@ class NgramDrafter(Drafter):
         """Merges conts under the root -> (tokens, parents, depths, counts), node 0 the root,
         parents before children; at most self.branches branches and self.total nodes."""
         tokens, parents, depths, counts = [root], [-1], [0], [0]
-        child = {}
+        child: dict[tuple[int, int], int] = {}  # (node, token) -> child node
         branches = 0
         for cont in conts:
             node, grew = 0, False
