@@ -8,6 +8,7 @@ Each case once crashed, wrote out of bounds, silently truncated or returned NaN:
 Cases that could crash the interpreter run in a subprocess.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -28,9 +29,12 @@ def _needs_value_checks(device):
 
 
 def run_isolated(code, timeout=120):
-    """Runs `code` in a fresh interpreter: a crash (signal) is a failed test, not a dead run."""
+    """Runs `code` in a fresh interpreter: a crash (signal) is a failed test, not a dead run.
+    It runs in this folder, so `python -c` (which puts its working directory first on sys.path)
+    imports the installed package, not a checkout's specdec_kernels without its library."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=os.path.dirname(os.path.abspath(__file__)),
         capture_output=True,
         text=True,
         timeout=timeout,
