@@ -33,6 +33,7 @@ __all__ = [
     "measure_copy_bandwidth",
     "random_block_table",
     "random_parents",
+    "random_root_paths",
     "random_trees",
     "rotated_inputs",
     "rotation_count",
@@ -84,6 +85,24 @@ def random_trees(
         [random_parents(T, int(n[b]), kind if kind != "single" else "chain", gen) for b in range(B)]
     )
     return parents, n
+
+
+def random_root_paths(
+    B: int, T: int, gen: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """accepted_nodes int32 [B, T], num_accepted int32 [B]: the path from the root to a
+    random node of a random tree; the padding past num_accepted is garbage the op must not read."""
+    parents, num_nodes = random_trees(B, T, "random", gen)
+    accepted = torch.randint(-5, 3 * T, (B, T), generator=gen, dtype=torch.int32)
+    num_accepted = torch.empty(B, dtype=torch.int32)
+    for b in range(B):
+        node, path = int(torch.randint(0, int(num_nodes[b]), (1,), generator=gen)), []
+        while node >= 0:
+            path.append(node)
+            node = int(parents[b, node])
+        accepted[b, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+        num_accepted[b] = len(path) - 1
+    return accepted, num_accepted
 
 
 def random_block_table(

@@ -24,18 +24,20 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
+from specdec_kernels.testing import TREE_KINDS, random_root_paths, random_trees
 
 WIDE = 2**32  # an int64 value that wraps to a small int32 value when narrowed
 
 
-def rand_parents(rng, B, T):
-    """parents int64 [B, T] (valid trees, -1 padded), num_nodes int64 [B]."""
-    parents = torch.full((B, T), -1, dtype=torch.int64)
-    num_nodes = torch.tensor([rng.randint(1, T) for _ in range(B)], dtype=torch.int64)
-    for b in range(B):
-        for i in range(1, int(num_nodes[b])):
-            parents[b, i] = rng.choice([i - 1, 0, rng.randrange(i)])
-    return parents, num_nodes
+def rand_trees(rng, B, T):
+    """parents int64 [B, T], num_nodes int64 [B]: trees of a random testing.TREE_KINDS shape."""
+    parents, num_nodes = random_trees(B, T, rng.choice(TREE_KINDS), torch_gen(rng))
+    return parents.long(), num_nodes.long()
+
+
+def torch_gen(rng):
+    """A torch.Generator seeded from the case's rng, so every case is reproducible alone."""
+    return torch.Generator().manual_seed(rng.randrange(2**31))
 
 
 def index_dtype(rng):
@@ -45,7 +47,7 @@ def index_dtype(rng):
 # ---------------------------------------------------------------- problems
 def problem_build_tree_mask(rng):
     B, T = rng.randint(1, 3), rng.randint(1, 70)
-    parents, num_nodes = rand_parents(rng, B, T)
+    parents, num_nodes = rand_trees(rng, B, T)
     dt = index_dtype(rng)
     return {"parents": parents.to(dt), "num_nodes": num_nodes.to(dt)}
 
@@ -61,7 +63,7 @@ def problem_tree_verify(rng):
         capacity += block_size
     num_blocks = B * max_blocks + rng.randint(0, 3)
     dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
-    parents, num_nodes = rand_parents(rng, B, T)
+    parents, num_nodes = rand_trees(rng, B, T)
     tree_mask, _ = reference.build_tree_mask(parents.to(torch.int32), num_nodes.to(torch.int32))
     cache_lens = torch.tensor([rng.randint(0, capacity - int(n)) for n in num_nodes])
     dt = index_dtype(rng)
@@ -79,7 +81,7 @@ def problem_tree_verify(rng):
 
 def problem_tree_rejection_sample(rng):
     B, T, V = rng.randint(1, 3), rng.randint(1, 8), rng.randint(2, 40)
-    parents, num_nodes = rand_parents(rng, B, T)
+    parents, num_nodes = rand_trees(rng, B, T)
     dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
     probs = None
     if rng.random() < 0.4:
@@ -109,16 +111,7 @@ def problem_compact_kv(rng):
         (num_blocks, block_size, 2, 4) if layers is None else (layers, num_blocks, block_size, 2, 4)
     )
     dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
-    parents, num_nodes = rand_parents(rng, B, T)
-    accepted = torch.full((B, T), -1, dtype=torch.int64)
-    num_accepted = torch.zeros(B, dtype=torch.int64)
-    for b in range(B):
-        node, path = rng.randrange(int(num_nodes[b])), []
-        while node >= 0:
-            path.append(node)
-            node = int(parents[b, node])
-        accepted[b, : len(path)] = torch.tensor(path[::-1])
-        num_accepted[b] = len(path) - 1
+    accepted, num_accepted = random_root_paths(B, T, torch_gen(rng))
     capacity = block_size * max_blocks
     dt = index_dtype(rng)
     return {

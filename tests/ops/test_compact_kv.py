@@ -9,26 +9,10 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from specdec_kernels.testing import random_block_table, random_trees
+from specdec_kernels.testing import random_block_table, random_root_paths
 from specdec_kernels.testing import value_checks_run as _value_checks_run
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def random_root_paths(B, T, gen=None):
-    """accepted_nodes int32 [B, T], num_accepted int32 [B]: the path from the root to a
-    random node of a random tree; the padding past num_accepted is garbage the op must not read."""
-    parents, num_nodes = random_trees(B, T, "random", gen)
-    accepted = torch.randint(-5, 3 * T, (B, T), generator=gen, dtype=torch.int32)
-    num_accepted = torch.empty(B, dtype=torch.int32)
-    for b in range(B):
-        node, path = int(torch.randint(0, int(num_nodes[b]), (1,), generator=gen)), []
-        while node >= 0:
-            path.append(node)
-            node = int(parents[b, node])
-        accepted[b, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
-        num_accepted[b] = len(path) - 1
-    return accepted, num_accepted
 
 
 def make_problem(
