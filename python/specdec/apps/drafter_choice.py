@@ -1,0 +1,144 @@
+"""Which drafter a command runs: the flags `specdec generate` and `specdec bench` share, and
+the one place that turns them into a specdec.drafters.Drafter.
+
+    --method plain|eagle|medusa|draft|ngram|eagle+ngram
+    --head PATH (eagle, eagle+ngram)   --medusa PATH (medusa)   --draft-model PATH|self:N (draft)
+    --ngram-max N --ngram-min N (ngram, eagle+ngram)
+
+`specdec bench --drafters` names several at once, e.g. `plain,eagle,ngram,draft=self:8`
+(DrafterChoice.parse). Everything checkable without the model is checked first (check()), so a
+bad flag fails before the model loads.
+"""
+
+import sys
+from dataclasses import dataclass, replace
+
+from ..errors import InvalidRequestError
+
+RANDOM_HEAD_SEED = 0
+METHODS = ("plain", "eagle", "medusa", "draft", "ngram", "eagle+ngram")
+
+
+def add_drafter_arguments(p, default_method: str = "eagle"):
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default=default_method,
+        help="the drafter: plain (none), eagle (an EAGLE head), medusa (Medusa heads), draft (a "
+        "standalone draft model, --draft-model), ngram (prompt lookup over the request's own "
+        "tokens), eagle+ngram (one tree merging both) (default %(default)s)",
+    )
+    p.add_argument(
+        "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
+    )
+    p.add_argument(
+        "--medusa",
+        metavar="PATH",
+        help="Medusa heads directory (default: the model's shipped heads)",
+    )
+    p.add_argument(
+        "--draft-model",
+        metavar="PATH|self:N",
+        help="draft: a Llama-family checkpoint (.gguf or HF dir) with the target's tokenizer, or "
+        "self:N, the target's first N layers (shares its weights)",
+    )
+    p.add_argument(
+        "--ngram-max",
+        type=int,
+        default=4,
+        metavar="N",
+        help="ngram: longest suffix n-gram looked up (default %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-min",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ngram: shortest suffix n-gram looked up (default %(default)s)",
+    )
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    method: str = "plain"
+    head: str | None = None  # EAGLE head directory (None: the shipped one)
+    medusa: str | None = None  # Medusa heads directory (None: the shipped ones)
+    draft_model: str | None = None  # PATH or self:N
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    @classmethod
+    def from_args(cls, args) -> "DrafterChoice":
+        return cls(
+            args.method,
+            args.head,
+            getattr(args, "medusa", None),
+            getattr(args, "draft_model", None),
+            args.ngram_max,
+            args.ngram_min,
+        ).check()
+
+    @classmethod
+    def parse(cls, text: str, base: "DrafterChoice | None" = None) -> "DrafterChoice":
+        """`method` or `draft=PATH|self:N` (bench's --drafters items); base: the other flags."""
+        method, _, value = text.strip().partition("=")
+        base = base or cls()
+        if method == "draft":
+            return replace(base, method=method, draft_model=value or base.draft_model).check()
+        if value:
+            raise InvalidRequestError(f"drafter {text!r}: only draft=PATH|self:N takes a value")
+        return replace(base, method=method).check()
+
+    def check(self) -> "DrafterChoice":
+        if self.method not in METHODS:
+            raise InvalidRequestError(
+                f"--method {self.method!r} is not one of {', '.join(METHODS)}"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise InvalidRequestError("--method draft needs --draft-model PATH or self:N")
+        if self.method in ("ngram", "eagle+ngram"):
+            for flag, v in (("--ngram-max", self.ngram_max), ("--ngram-min", self.ngram_min)):
+                if v < 1:
+                    raise InvalidRequestError(f"{flag} must be >= 1, got {v}")
+            if self.ngram_min > self.ngram_max:
+                raise InvalidRequestError(
+                    f"--ngram-min ({self.ngram_min}) must be <= --ngram-max ({self.ngram_max})"
+                )
+        return self
+
+    @property
+    def name(self) -> str:
+        """A row name: eagle, ngram:1-4, draft=self:8, ..."""
+        if self.method == "draft":
+            return f"draft={self.draft_model}"
+        if self.method == "ngram":
+            return f"ngram:{self.ngram_min}-{self.ngram_max}"
+        return self.method
+
+    def build(self, model, model_path: str | None = None):
+        """-> the Drafter for model (model_path: the target's path, to find shipped heads)."""
+        from ..drafters import EagleDrafter, NgramDrafter, PlainDrafter
+
+        if self.method == "plain":
+            return PlainDrafter()
+        if self.method == "ngram":
+            return NgramDrafter(max_n=self.ngram_max, min_n=self.ngram_min)
+        if self.method == "eagle":
+            return EagleDrafter(self.eagle_head(model, model_path))
+        raise InvalidRequestError(f"--method {self.method} is not implemented yet")
+
+    def eagle_head(self, model, model_path):
+        from ..eagle import EagleHead, load_head
+        from ..heads import shipped_head_path
+
+        path = self.head or shipped_head_path(model_path)
+        if path:
+            return load_head(path, model)
+        # Models without a shipped head: a seeded random head keeps the speculative path
+        # runnable end to end (acceptance length ~1).
+        print(
+            "specdec: warning: no EAGLE head given and none shipped for this model; using a "
+            "randomly initialised head (acceptance will be low)",
+            file=sys.stderr,
+        )
+        return EagleHead.random(model, seed=RANDOM_HEAD_SEED)
