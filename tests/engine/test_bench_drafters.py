@@ -5,12 +5,11 @@ the summary and the plot."""
 import json
 
 import pytest
+from test_bench import CharTokenizer, models  # noqa: F401 (a fixture)
 
 from specdec.apps.bench_drafters import plot, rows_for, run_drafter_bench, summary
 from specdec.apps.drafter_choice import DrafterChoice
 from specdec.eagle import EagleHead
-
-from test_bench import CharTokenizer, models  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 QUESTIONS = {
@@ -76,4 +75,3 @@ def test_drafter_bench_rows_categories_and_exactness(models, tmp_path):  # noqa:
     assert "ngram:1-4_adaptive" in text and "codin" in text
     (path,) = plot(result, str(tmp_path / "x"))
     assert path.endswith("_drafters_by_category.png")
-
