@@ -41,9 +41,16 @@ def test_serving_metrics_and_plots(models, tmp_path):  # noqa: F811
         slo_ttft_s=10.0,
         slo_tpot_s=10.0,
         log=lambda m: None,
+        offline_requests=2,
     )
     json.dumps(result)
     assert list(result["methods"]) == ["plain", "eagle_tree(dynamic:2,2,4)", "eagle_adaptive"]
+    b1 = result["config"]["offline_batch1"]  # plain and adaptive mode only, at batch size 1
+    assert list(b1) == ["plain", "eagle_adaptive"] and b1["plain"]["speedup"] == 1.0
+    assert b1["eagle_adaptive"]["speedup"] > 0 and b1["eagle_adaptive"]["num_requests"] == 2
+    light = result["analysis"]["light_load"]["eagle_adaptive"]
+    assert light["offline_speedup"] == b1["eagle_adaptive"]["speedup"]
+    assert light["meets_offline"] == (light["cut"] >= light["offline_speedup"])
     kinds = {m: c["kind"] for m, c in result["config"]["methods"].items()}
     assert list(kinds.values()) == ["plain", "fixed", "adaptive"]
     assert result["config"]["capacity"] is None and result["config"]["rate_multipliers"] is None
@@ -302,6 +309,15 @@ def test_adaptive_vs_best_and_light_load_cut():
     assert [p["throughput_within"] for p in tight] == [False, False, True, True]
     cut = serving.light_load_cut(r, "adaptive")
     assert cut["rate"] == 1.0 and cut["cut"] == pytest.approx(0.10 / 0.04)
+    assert cut["offline_speedup"] is None and cut["meets_offline"] is None
+    r["config"]["offline_batch1"] = {"adaptive": {"speedup": 2.4}}
+    assert serving.light_load_cut(r, "adaptive")["meets_offline"] is True  # 2.5x >= 2.4x
+    r["config"]["offline_batch1"] = {"adaptive": {"speedup": 2.6}}
+    cut = serving.light_load_cut(r, "adaptive")
+    assert cut["meets_offline"] is False and cut["offline_speedup"] == 2.6
+    assert "(offline batch-1 speedup 2.60x: NOT met)" in "\n".join(
+        serving._analysis_lines(serving.analyze(r))
+    )
     # missing P50 TPOT (every request one token): no cut rather than a crash
     r["methods"]["adaptive"]["1.0"]["tpot_s"] = {}
     assert serving.light_load_cut(r, "adaptive")["cut"] is None
@@ -371,7 +387,7 @@ def test_bench_serving_quick_cli(stub_cli, tmp_path, capsys):
     assert cfg["batch_size"] == 4 and len(result["methods"]) == 3 and cfg["capacity"] is None
     assert cfg["prompt_mix"]["mtbench"] == 3 and cfg["prompt_mix"]["sharegpt"] == 2
     assert sorted(cfg["prompt_mix"]["first_sources"]) == list("mmmss")
-    assert "analysis" in result
+    assert "analysis" in result and list(cfg["offline_batch1"]) == ["plain", "eagle_adaptive"]
     assert (
         tmp_path / "e2e_serving_crossover.png"
     ).exists() and "goodput" in capsys.readouterr().out
@@ -413,6 +429,7 @@ def test_bench_serving_auto_rates_and_ngram(stub_cli, tmp_path, monkeypatch, cap
         "tree": "adaptive:2,2,4",
     }
     assert cfg["prompt_mix"]["sharegpt"] == 0 and "MT-bench only" in cfg["prompt_mix"]["note"]
+    assert list(cfg["offline_batch1"]) == ["plain", "eagle_adaptive", "ngram_adaptive"]
     captured = capsys.readouterr()
     assert "MT-bench only" in captured.err and "plain capacity (measured)" in captured.out
 
@@ -425,6 +442,7 @@ def test_bench_serving_auto_rates_and_ngram(stub_cli, tmp_path, monkeypatch, cap
         (["--max-rate-seconds", "-1"], "--max-rate-seconds must be >= 0"),
         (["--num-requests", "0"], "--num-requests must be >= 1"),
         (["--sharegpt-prompts", "-2"], "--sharegpt-prompts must be >= 0"),
+        (["--offline-requests", "-1"], "--offline-requests must be >= 0"),
     ],
 )
 def test_bench_serving_rejects_bad_flags(flags, message, capsys):

@@ -495,6 +495,13 @@ def add_arguments(p):
         action="store_true",
         help="also n-gram prompt lookup in adaptive mode (--ngram-max / --ngram-min)",
     )
+    g.add_argument(
+        "--offline-requests",
+        type=int,
+        default=4,
+        help="requests run offline at batch size 1 with plain and adaptive mode first: the "
+        "batch-1 speedup the light-load TPOT cut is held to; 0: skip (default %(default)s)",
+    )
     g.add_argument("--serving-batch-size", type=int, default=8, help="the engine's slots")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT objective")
     g.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT objective")
@@ -523,6 +530,7 @@ def run(args) -> int:
         )
         args.num_requests, args.serving_batch_size = min(args.num_requests, 6), 4
         args.sharegpt_prompts = min(args.sharegpt_prompts, 3)
+        args.offline_requests = min(args.offline_requests, 2)
     elif args.quick:
         args.num_prompts, args.max_new_tokens = (
             min(args.num_prompts, 3),
@@ -585,6 +593,7 @@ def _serving_rates(args):
         ("--serving-batch-size", args.serving_batch_size, 1),
         ("--max-rate-seconds", args.max_rate_seconds, 0),
         ("--sharegpt-prompts", args.sharegpt_prompts, 0),
+        ("--offline-requests", args.offline_requests, 0),
     ):
         if value < low:
             raise InvalidRequestError(f"{flag} must be >= {low}, got {value}")
@@ -650,6 +659,7 @@ def _run_serving(args, model, tokenizer, head, rates) -> int:
         max_rate_seconds=args.max_rate_seconds or None,
         multipliers=QUICK_MULTIPLIERS if args.quick else SERVING_MULTIPLIERS,
         ngram=ngram,
+        offline_requests=args.offline_requests,
     )
     result["config"]["prompt_mix"] = mix
     result["config"]["head"] = args.head or "shipped"

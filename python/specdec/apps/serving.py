@@ -20,8 +20,9 @@ length, tokens per target forward (mean acceptance length) and the time split of
 (prefill / draft / verify / sample / compact, Engine.timing). Analysis (analyze, pure
 functions of the result): where each fixed tree starts losing to plain decoding (crossover),
 adaptive mode against the better of plain and the best fixed tree at every rate
-(adaptive_vs_best), and the light-load TPOT cut (light_load_cut). Writes PREFIX_serving.json
-and PREFIX_serving_{latency,throughput,crossover}.png.
+(adaptive_vs_best), and the light-load TPOT cut (light_load_cut) against the batch-1 speedup
+each adaptive method shows offline (measure_offline_batch1, when asked for). Writes
+PREFIX_serving.json and PREFIX_serving_{latency,throughput,crossover}.png.
 """
 
 import math
@@ -90,16 +91,9 @@ def measure_capacity(
     requests through Engine.generate, every slot taken while the queue lasts -> {"tokens_per_s",
     "mean_generated_tokens", "requests_per_s" (tokens_per_s / mean_generated_tokens: the
     arrival rate plain decoding can keep up with), "num_requests", "elapsed_s"}."""
-    from ..engine import Engine
-
     reqs = _requests(prompt_ids, rounds * batch_size, max_new_tokens, seed)
-    engine = Engine(
-        model,
-        tokenizer,
-        tree="chain:1",
-        batch_size=batch_size,
-        max_seq_len=max(len(r.prompt_ids) for r in reqs) + max_new_tokens + 1,
-    )
+    max_seq_len = max(len(r.prompt_ids) for r in reqs) + max_new_tokens + 1
+    engine = _engine(model, tokenizer, {"tree": "chain:1"}, batch_size, max_seq_len)
     engine.generate(_requests(prompt_ids, 1, 2, seed))  # warm-up
     t0 = time.perf_counter()
     results, _ = engine.generate(reqs)
@@ -210,6 +204,39 @@ def serve(
     }
 
 
+def _engine(model, tokenizer, kw: dict, batch_size: int, max_seq_len: int):
+    """One method's Engine (kw: head= or drafter= (a factory: a fresh drafter), tree=)."""
+    from ..engine import Engine
+
+    kw = dict(kw, drafter=kw["drafter"]()) if "drafter" in kw else kw
+    return Engine(model, tokenizer, batch_size=batch_size, max_seq_len=max_seq_len, **kw)
+
+
+def measure_offline_batch1(
+    model, tokenizer, prompt_ids: list, methods: list, max_new_tokens: int, n: int, seed=0
+) -> dict:
+    """The batch-1 speedup each method shows offline, the yardstick for its light-load TPOT
+    cut: the first n serving requests one at a time (Engine.generate, batch_size 1) with plain
+    decoding and each method -> {method: {"tpot_p50_s", "tokens_per_s", "speedup" (plain's P50
+    TPOT / its own)}}. methods: [(name, engine kwargs)], plain first."""
+    reqs = _requests(prompt_ids, n, max_new_tokens, seed)
+    max_seq_len = max(len(r.prompt_ids) for r in reqs) + max_new_tokens + 1
+    out = {}
+    for name, kw in methods:
+        engine = _engine(model, tokenizer, kw, 1, max_seq_len)
+        engine.generate(_requests(prompt_ids, 1, 2, seed))  # warm-up
+        _, stats = engine.generate(_requests(prompt_ids, n, max_new_tokens, seed))
+        out[name] = {
+            "tpot_p50_s": stats.latency.get("tpot_s", {}).get("p50"),
+            "tokens_per_s": stats.tokens_per_s,
+            "num_requests": n,
+        }
+    plain = out[methods[0][0]]["tpot_p50_s"]
+    for v in out.values():
+        v["speedup"] = plain / v["tpot_p50_s"] if plain and v["tpot_p50_s"] else None
+    return out
+
+
 def run_serving(
     model,
     tokenizer,
@@ -230,16 +257,18 @@ def run_serving(
     capacity: float | None = None,
     multipliers=MULTIPLIERS,
     ngram=None,
+    offline_requests: int = 0,
 ) -> dict:
     """Every method at every rate -> {"config", "methods": {method: {rate: metrics}},
     "analysis"}.
 
     rates: requests/s, or "auto": capacity (requests/s; None: measure_capacity) x multipliers.
     Requests per rate: requests_at(rate, num_requests, max_rate_seconds, min_requests).
-    ngram: None, or a callable -> a fresh n-gram Drafter (adds "ngram_adaptive"). config
+    ngram: None, or a callable -> a fresh n-gram Drafter (adds "ngram_adaptive").
+    offline_requests > 0: first measure_offline_batch1 of plain and the adaptive methods on
+    that many requests (config "offline_batch1"; light_load_cut compares against it). config
     records the capacity, the rates, the requests per rate and each method's kind ("plain",
     "fixed", "adaptive") and drafter, which the analysis reads."""
-    from ..engine import Engine
     from .common import machine_info
 
     weight = model.tok_embeddings.weight
@@ -298,16 +327,18 @@ def run_serving(
         },
         "methods": {},
     }
+    if offline_requests > 0:
+        offline = [(name, kw) for name, kind, _, kw in methods if kind in ("plain", "adaptive")]
+        result["config"]["offline_batch1"] = b1 = measure_offline_batch1(
+            model, tokenizer, prompt_ids, offline, max_new_tokens, offline_requests, seed
+        )
+        log(
+            "[serving offline batch 1] P50 TPOT speedup over plain: "
+            + ", ".join(f"{m} {v['speedup'] or 0:.2f}x" for m, v in b1.items())
+        )
     longest = max(len(p) for p in prompt_ids[: max(counts.values())])
     for name, _, _, kw in methods:
-        kw = dict(kw, drafter=kw["drafter"]()) if "drafter" in kw else kw
-        engine = Engine(
-            model,
-            tokenizer,
-            batch_size=batch_size,
-            max_seq_len=longest + max_new_tokens + 1,
-            **kw,
-        )
+        engine = _engine(model, tokenizer, kw, batch_size, longest + max_new_tokens + 1)
         engine.generate(_requests(prompt_ids, 1, 2, seed))  # warm-up
         rows = {}
         for rate in rates:
@@ -420,19 +451,29 @@ def adaptive_vs_best(result: dict, method: str, tolerance: float = TOLERANCE) ->
 
 
 def light_load_cut(result: dict, method: str) -> dict:
-    """At the lowest rate: plain's P50 TPOT / the method's (> 1: the method is faster)."""
+    """At the lowest rate: plain's P50 TPOT / the method's (> 1: the method is faster), and
+    whether that is at least the method's offline batch-1 speedup when the config has it
+    ("offline_batch1"; None otherwise)."""
+    offline = (result["config"].get("offline_batch1") or {}).get(method, {}).get("speedup")
+    out = {
+        "rate": None,
+        "plain_tpot_p50_s": None,
+        "tpot_p50_s": None,
+        "cut": None,
+        "offline_speedup": offline,
+        "meets_offline": None,
+    }
     pts = _points(result["methods"][method])
     if not pts:
-        return {"rate": None, "plain_tpot_p50_s": None, "tpot_p50_s": None, "cut": None}
+        return out
     rate, row = pts[0]
     mine = _value(row, "tpot_p50")
     plain = _value(dict(_points(result["methods"]["plain"])).get(rate, {}), "tpot_p50")
-    return {
-        "rate": rate,
-        "plain_tpot_p50_s": plain,
-        "tpot_p50_s": mine,
-        "cut": plain / mine if plain is not None and mine else None,
-    }
+    cut = plain / mine if plain is not None and mine else None
+    out.update(rate=rate, plain_tpot_p50_s=plain, tpot_p50_s=mine, cut=cut)
+    if cut is not None and offline is not None:
+        out["meets_offline"] = cut >= offline
+    return out
 
 
 def analyze(result: dict, tolerance: float = TOLERANCE) -> dict:
@@ -540,6 +581,12 @@ def _analysis_lines(a: dict | None) -> list:
                 f"{m} at the lightest rate ({x['rate']:g} req/s): P50 TPOT "
                 f"{1000 * x['tpot_p50_s']:.0f} ms vs plain {1000 * x['plain_tpot_p50_s']:.0f} ms "
                 f"= {x['cut']:.2f}x cut"
+                + (
+                    ""
+                    if x.get("offline_speedup") is None
+                    else f" (offline batch-1 speedup {x['offline_speedup']:.2f}x: "
+                    + ("met)" if x["meets_offline"] else "NOT met)")
+                )
             )
     return lines
 
