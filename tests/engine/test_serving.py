@@ -275,7 +275,7 @@ def test_crossover_none_ties_and_below_the_sweep():
     a = serving.analyze(r)
     assert set(a["crossover"]["throughput"]) == {"better", "tied", "tie_then_loss", "worse"}
     text = "\n".join(serving._analysis_lines(a))
-    assert "better loses to plain from never within the sweep (up to 8 req/s)" in text
+    assert "better never loses to plain within the sweep (up to 8 req/s)" in text
     assert "already at the lightest rate" in text
 
 

@@ -549,16 +549,16 @@ def _analysis_lines(a: dict | None) -> list:
         for m, x in a["crossover"][metric].items():
             if x["rate"] is None:
                 where = (
-                    f"never within the sweep (up to {x['max_rate']:g} req/s)"
+                    f"never loses to plain within the sweep (up to {x['max_rate']:g} req/s)"
                     if x["max_rate"] is not None
                     else "no data"
                 )
             else:
                 load = f" (load {x['load']:.2f})" if x["load"] is not None else ""
-                where = f"{x['rate']:.3g} req/s{load}" + (
+                where = f"loses to plain from {x['rate']:.3g} req/s{load}" + (
                     ", already at the lightest rate" if x["below_sweep"] else ""
                 )
-            lines.append(f"crossover ({label}): {m} loses to plain from {where}")
+            lines.append(f"crossover ({label}): {m} {where}")
     tol = 100 * a["tolerance"]
     for m, v in a["adaptive_vs_best"].items():
         cells = []
