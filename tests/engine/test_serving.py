@@ -423,6 +423,7 @@ def test_bench_serving_auto_rates_and_ngram(stub_cli, tmp_path, monkeypatch, cap
     assert cfg["rates"] == [1000.0 * m for m in bench.QUICK_MULTIPLIERS]
     assert cfg["rate_multipliers"] == list(bench.QUICK_MULTIPLIERS)
     assert cfg["capacity"]["requests_per_s"] == 1000.0 and cfg["max_rate_seconds"] == 90.0
+    assert cfg["min_requests"] == 8
     assert cfg["methods"]["ngram_adaptive"] == {
         "kind": "adaptive",
         "drafter": "ngram",
@@ -441,6 +442,7 @@ def test_bench_serving_auto_rates_and_ngram(stub_cli, tmp_path, monkeypatch, cap
         (["--rates", "fast"], "--rates must be auto or comma-separated numbers"),
         (["--max-rate-seconds", "-1"], "--max-rate-seconds must be >= 0"),
         (["--num-requests", "0"], "--num-requests must be >= 1"),
+        (["--min-requests", "0"], "--min-requests must be >= 1"),
         (["--sharegpt-prompts", "-2"], "--sharegpt-prompts must be >= 0"),
         (["--offline-requests", "-1"], "--offline-requests must be >= 0"),
     ],

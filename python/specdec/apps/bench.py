@@ -481,7 +481,13 @@ def add_arguments(p):
         type=float,
         default=90.0,
         help="a rate sends at most about this many seconds of arrivals (rate x this many "
-        "requests) but never fewer than 8 requests; 0: no cap (default %(default)s)",
+        "requests) but never fewer than --min-requests; 0: no cap (default %(default)s)",
+    )
+    g.add_argument(
+        "--min-requests",
+        type=int,
+        default=8,
+        help="the floor of --max-rate-seconds' cap (default %(default)s)",
     )
     g.add_argument(
         "--sharegpt-prompts",
@@ -592,6 +598,7 @@ def _serving_rates(args):
         ("--num-requests", args.num_requests, 1),
         ("--serving-batch-size", args.serving_batch_size, 1),
         ("--max-rate-seconds", args.max_rate_seconds, 0),
+        ("--min-requests", args.min_requests, 1),
         ("--sharegpt-prompts", args.sharegpt_prompts, 0),
         ("--offline-requests", args.offline_requests, 0),
     ):
@@ -657,6 +664,7 @@ def _run_serving(args, model, tokenizer, head, rates) -> int:
         args.seed,
         log=log,
         max_rate_seconds=args.max_rate_seconds or None,
+        min_requests=args.min_requests,
         multipliers=QUICK_MULTIPLIERS if args.quick else SERVING_MULTIPLIERS,
         ngram=ngram,
         offline_requests=args.offline_requests,
