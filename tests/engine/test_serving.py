@@ -247,6 +247,7 @@ def test_crossover_between_points_interpolates_linearly():
     # advantage +0.2 at 2, -0.2 at 4: the zero is halfway
     assert x["rate"] == pytest.approx(3.0) and x["load"] == pytest.approx(0.75)
     assert x["below_sweep"] is False and x["max_rate"] == 8.0
+    assert x["sustained_rate"] == x["rate"] and x["sustained_load"] == x["load"]
     # P50 TPOT ratio 0.5, 0.6, 10/11, 1.5: lower is better, loses between 4 and 8
     y = serving.crossover(r, "tree", "tpot_p50")
     g0, g1 = 1 - 0.10 / 0.11, 1 - 1.5
@@ -266,17 +267,47 @@ def test_crossover_none_ties_and_below_the_sweep():
         },
     )
     never = serving.crossover(r, "better", "throughput")
-    assert never == {"rate": None, "load": None, "below_sweep": False, "max_rate": 8.0}
+    assert never == {
+        "rate": None,
+        "load": None,
+        "sustained_rate": None,
+        "sustained_load": None,
+        "below_sweep": False,
+        "max_rate": 8.0,
+    }
     assert serving.crossover(r, "tied", "throughput")["rate"] is None  # a tie is not a loss
     assert serving.crossover(r, "tied", "tpot_p50")["rate"] is None
     assert serving.crossover(r, "tie_then_loss", "throughput")["rate"] == 2.0  # at the tie
-    w = serving.crossover(r, "worse", "throughput")  # the first loss only
-    assert w["rate"] == 1.0 and w["below_sweep"] is True
+    w = serving.crossover(r, "worse", "throughput")  # the first loss, then wins
+    assert w["rate"] == 1.0 and w["below_sweep"] is True and w["sustained_rate"] is None
     a = serving.analyze(r)
     assert set(a["crossover"]["throughput"]) == {"better", "tied", "tie_then_loss", "worse"}
     text = "\n".join(serving._analysis_lines(a))
     assert "better never loses to plain within the sweep (up to 8 req/s)" in text
-    assert "already at the lightest rate" in text
+    assert "already at the lightest rate, but not at the heaviest" in text
+
+
+def test_crossover_for_good_after_a_light_load_loss():
+    """Throughput ratio 0.98 (a light-load loss: noise), 1.2, 1.1, 0.9: the first loss is at the
+    lightest rate, the lasting one between 4 and 8; all lost: both at the lightest rate."""
+    r = fake_result(
+        RATES,
+        {
+            "plain": PLAIN,
+            "tree": ("fixed", "eagle", [9.8, 24, 44, 45], [0.1] * 4, [1] * 4),
+            "lost": ("fixed", "eagle", [9, 19, 39, 49], [0.1] * 4, [1] * 4),
+        },
+        capacity={"requests_per_s": 8.0},
+    )
+    x = serving.crossover(r, "tree", "throughput")
+    assert x["rate"] == 1.0 and x["below_sweep"] is True
+    assert x["sustained_rate"] == pytest.approx(4.0 + 4.0 * 0.1 / 0.2)
+    assert x["sustained_load"] == pytest.approx(0.75)
+    y = serving.crossover(r, "lost", "throughput")
+    assert y["rate"] == y["sustained_rate"] == 1.0
+    text = "\n".join(serving._analysis_lines(serving.analyze(r)))
+    assert "tree loses to plain from 1 req/s (load 0.12), already at the lightest rate; " in text
+    assert "for good from 6 req/s" in text
 
 
 def test_adaptive_vs_best_and_light_load_cut():

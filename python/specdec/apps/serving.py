@@ -393,29 +393,42 @@ def ratio_vs_plain(result: dict, method: str, metric: str) -> list:
 
 
 def crossover(result: dict, method: str, metric: str = "throughput") -> dict:
-    """Where `method` starts losing to plain decoding on `metric` ("throughput", "tpot_p50"):
-    the lowest rate at which it is strictly worse than plain's, linearly interpolated in the rate
-    between the last rate where it is not worse and the first where it is (on the ratio to
-    plain's, so a tie is not a loss) -> {"rate", "load" (rate / capacity, or None), "below_sweep"
-    (already worse at the lightest rate: rate is that one), "max_rate"}; rate None when it never
-    loses within the sweep."""
+    """Where `method` starts losing to plain decoding on `metric` ("throughput", "tpot_p50"),
+    on its ratio to plain's (a tie is not a loss) -> {"rate": the lowest rate at which it is
+    strictly worse, linearly interpolated in the rate between the sweep point before (not
+    worse) and that one; "sustained_rate": the same for the rate from which it stays worse up
+    to the end of the sweep (differs from rate when a light-load loss, e.g. noise while
+    throughput only follows the arrivals, is followed by a win; None when the last point is
+    not a loss); "load" / "sustained_load": those / the capacity (None without one);
+    "below_sweep": already worse at the lightest rate (rate is that one); "max_rate"}. rate
+    None: it never loses within the sweep."""
     sign = 1.0 if HIGHER_IS_BETTER[metric] else -1.0
     pts = [(r, sign * (x - 1.0)) for r, x in ratio_vs_plain(result, method, metric)]
-    out = {"rate": None, "load": None, "below_sweep": False, "max_rate": None}
-    if not pts:
-        return out
-    out["max_rate"] = pts[-1][0]
-    for i, (r1, g1) in enumerate(pts):
-        if g1 < 0:
-            if i == 0:
-                out["rate"], out["below_sweep"] = r1, True
-            else:
-                r0, g0 = pts[i - 1]  # g0 >= 0 > g1
-                out["rate"] = r0 + (r1 - r0) * g0 / (g0 - g1)
-            break
+    out = {
+        "rate": None,
+        "load": None,
+        "sustained_rate": None,
+        "sustained_load": None,
+        "below_sweep": False,
+        "max_rate": pts[-1][0] if pts else None,
+    }
+
+    def at(i):  # the rate where the loss that begins at point i begins
+        if i == 0:
+            return pts[0][0]
+        (r0, g0), (r1, g1) = pts[i - 1], pts[i]  # g0 >= 0 > g1
+        return r0 + (r1 - r0) * g0 / (g0 - g1)
+
+    losses = [i for i, (_, g) in enumerate(pts) if g < 0]
+    if losses:
+        out["rate"], out["below_sweep"] = at(losses[0]), losses[0] == 0
+    if pts and pts[-1][1] < 0:
+        wins = [i for i, (_, g) in enumerate(pts) if g >= 0]
+        out["sustained_rate"] = at(wins[-1] + 1 if wins else 0)
     cap = (result["config"].get("capacity") or {}).get("requests_per_s")
-    if out["rate"] is not None and cap:
-        out["load"] = out["rate"] / cap
+    for key in ("rate", "sustained_rate"):
+        if out[key] is not None and cap:
+            out[key.replace("rate", "load")] = out[key] / cap
     return out
 
 
@@ -558,6 +571,10 @@ def _analysis_lines(a: dict | None) -> list:
                 where = f"loses to plain from {x['rate']:.3g} req/s{load}" + (
                     ", already at the lightest rate" if x["below_sweep"] else ""
                 )
+                if x["sustained_rate"] is None:
+                    where += ", but not at the heaviest"
+                elif x["sustained_rate"] != x["rate"]:
+                    where += f"; for good from {x['sustained_rate']:.3g} req/s"
             lines.append(f"crossover ({label}): {m} {where}")
     tol = 100 * a["tolerance"]
     for m, v in a["adaptive_vs_best"].items():
@@ -648,7 +665,7 @@ def plot(result: dict, prefix: str) -> list:
 def _plot_crossover(result: dict, plt, path: str) -> str:
     cap = (result["config"].get("capacity") or {}).get("requests_per_s")
     scale = 1.0 / cap if cap else 1.0
-    analysis = result.get("analysis") or analyze(result)
+    analysis = analyze(result)  # pure: recomputed, so older JSON files plot too
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric, title in (
         (axes[0], "throughput", "throughput / plain's (higher is better)"),
@@ -671,6 +688,16 @@ def _plot_crossover(result: dict, plt, path: str) -> str:
                     (x["rate"] * scale, 1.0),
                     textcoords="offset points",
                     xytext=(4, 6),
+                    fontsize=7,
+                    color=line.get_color(),
+                )
+            if x and x["sustained_rate"] not in (None, x["rate"]):
+                ax.plot([x["sustained_rate"] * scale], [1.0], marker="X", color=line.get_color())
+                ax.annotate(
+                    f"for good {x['sustained_rate'] * scale:.2g}",
+                    (x["sustained_rate"] * scale, 1.0),
+                    textcoords="offset points",
+                    xytext=(4, -12),
                     fontsize=7,
                     color=line.get_color(),
                 )
