@@ -23,7 +23,8 @@ import itertools
 import operator
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -363,6 +364,18 @@ class Engine:
         for s, tokens in self._advance():
             gained.setdefault(s.req.id, []).extend(tokens)
         return gained
+
+    @contextmanager
+    def timing(self) -> Iterator[Stats]:
+        """`with engine.timing() as t:` -> a Stats whose time_s collects the time split
+        (prefill / draft / verify / sample / compact seconds) of every step run inside the
+        block, whoever runs them (step(), generate(), stream()); each batched step counts once."""
+        timer = Stats(num_requests=0)
+        self._timers.append(timer)
+        try:
+            yield timer
+        finally:
+            self._timers.remove(timer)
 
     @property
     def num_active(self) -> int:

