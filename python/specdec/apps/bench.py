@@ -18,6 +18,7 @@ import torch
 
 from ..drafting import TreeSpec
 from .common import machine_info
+from .hf_baseline import load_hf, run_hf
 from .serving import MULTIPLIERS as SERVING_MULTIPLIERS
 
 
@@ -59,68 +60,6 @@ def run_ours(
         out["startup_s"] = startup
         out["cost_model"] = vars(engine.policy.cost)
     return out
-
-
-def run_hf(
-    hf_model,
-    prompt_ids: list,
-    temperature: float,
-    batch_size: int,
-    max_new_tokens: int,
-    seed: int,
-    eos_ids,
-    prompt_lookup: int | None = None,
-) -> dict:
-    """transformers' generate (left-padded batches; prompt lookup needs batch size 1)."""
-    pad = min(eos_ids)
-    sampling = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        if temperature
-        else {"do_sample": False}
-    )
-    extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
-
-    def generate(batch, n):
-        width = max(len(p) for p in batch)
-        dev = hf_model.device
-        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch], device=dev)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
-        out = hf_model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            pad_token_id=pad,
-            eos_token_id=sorted(eos_ids),
-            **sampling,
-            **extra,
-        )
-        return [_strip(row[width:].tolist(), eos_ids) for row in out]
-
-    with torch.inference_mode():
-        generate(prompt_ids[:1], 2)  # warm-up
-        t0 = time.perf_counter()
-        outputs = []
-        for i in range(0, len(prompt_ids), batch_size):
-            torch.manual_seed(seed + i)
-            outputs += generate(prompt_ids[i : i + batch_size], max_new_tokens)
-        elapsed = time.perf_counter() - t0
-    n = sum(len(o) for o in outputs)
-    return {
-        "num_requests": len(prompt_ids),
-        "generated_tokens": n,
-        "elapsed_s": elapsed,
-        "tokens_per_s": n / elapsed,
-        "mean_acceptance_length": None,
-        "outputs": outputs,
-    }
-
-
-def _strip(ids: list, eos_ids) -> list:
-    """Generated ids up to and including the first EOS (HF pads finished rows)."""
-    for i, t in enumerate(ids):
-        if t in eos_ids:
-            return ids[: i + 1]
-    return ids
 
 
 # ---------------------------------------------------------------------- the benchmark
@@ -550,7 +489,7 @@ def run(args) -> int:
     if args.serving:
         return _run_serving(args, model, tokenizer, head, rates)
     weight = model.tok_embeddings.weight
-    hf_model = None if args.no_hf else _load_hf(args.model, weight.dtype, weight.device)
+    hf_model = None if args.no_hf else load_hf(args.model, weight.dtype, weight.device)
     result = run_bench(
         model,
         tokenizer,
@@ -702,7 +641,7 @@ def _run_drafters(args) -> int:
         raise InvalidRequestError(f"--per-category must be >= 1, got {args.per_category}")
     model, tokenizer = load_model_from_args(args)
     weight = model.tok_embeddings.weight
-    hf_model = None if args.no_hf else _load_hf(args.model, weight.dtype, weight.device)
+    hf_model = None if args.no_hf else load_hf(args.model, weight.dtype, weight.device)
     result = bench_drafters.run_drafter_bench(
         model,
         tokenizer,
@@ -732,16 +671,3 @@ def _load_head(args, model):
 
     path = args.head or shipped_head_path(args.model)
     return load_head(path, model) if path else None
-
-
-def _load_hf(model_path, dtype, device):
-    """transformers' model over the same weights (the GGUF's cached HF conversion), in the
-    dtype and on the device ours runs in."""
-    from transformers import AutoModelForCausalLM
-
-    from ..loader import default_model_path, gguf_checkpoint_dir
-
-    path = model_path or default_model_path()
-    if path.endswith(".gguf"):
-        path = gguf_checkpoint_dir(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()

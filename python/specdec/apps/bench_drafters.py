@@ -16,6 +16,7 @@ import torch
 
 from ..stats import Stats
 from .drafter_choice import DrafterChoice
+from .hf_baseline import run_hf
 
 # the fixed tree of each drafter's fixed-tree row (adaptive rows use --adaptive)
 FIXED_TREES = {
@@ -98,8 +99,6 @@ def _row_stats(stats) -> dict:
 
 
 def run_hf_row(hf_model, tokenizer, questions, temperature, max_new_tokens, seed) -> dict:
-    from .bench import run_hf
-
     by_category, outputs, n, elapsed = {}, {}, 0, 0.0
     for cat, ps in questions.items():
         r = run_hf(hf_model, ps, temperature, 1, max_new_tokens, seed, tokenizer.eos_token_ids)
