@@ -135,9 +135,10 @@ class NgramDrafter(Drafter):
         return Proposal(tokens.to(dev), parents.to(dev), num_nodes.to(dev))
 
     def _adaptive(self, rows, roots, policy) -> Proposal:
-        """Keeps the N candidates of highest predicted acceptance, N chosen by the policy (as
-        drafting.draft_dynamic does): a child's value is <= its parent's and its index is
-        larger, so a stable descending sort keeps every kept node's ancestors before it."""
+        """Keeps each request's N_b candidates of highest predicted acceptance, N_b chosen by
+        the policy (as drafting.draft_dynamic does): a child's value is <= its parent's and
+        its index is larger, so a stable descending sort keeps every kept node's ancestors
+        before it."""
         B, dev = len(rows), roots.device
         C = max(len(r[0]) for r in rows) - 1  # candidates (drafts) of the widest row
         conf = torch.ones(B, C + 1)
@@ -156,15 +157,17 @@ class NgramDrafter(Drafter):
                 v[i] = v[par[i]] * p
             values[b, : len(tok) - 1] = torch.tensor(v[1:])
         levels = max(max(r[2]) for r in rows)
-        N = policy.size(values.clamp(min=0), levels) if C else 0
-        T = N + 1
+        # each request's own size (0: the root only; padding has value 0 and never pays)
+        kept = policy.sizes(values.clamp(min=0), levels) if C else torch.zeros(B, dtype=torch.long)
+        kept = torch.minimum(kept.cpu(), torch.tensor([len(r[0]) - 1 for r in rows]))
+        T = int(kept.max()) + 1
         tokens = torch.zeros(B, T, dtype=torch.long)
         parents = torch.full((B, T), -1, dtype=torch.int32)
         confidence = torch.ones(B, T)
         num_nodes = torch.ones(B, dtype=torch.int32)
         tokens[:, 0] = roots.cpu()
         for b, (tok, par, _, _) in enumerate(rows):
-            n = min(N, len(tok) - 1)
+            n = int(kept[b])
             if n == 0:
                 continue
             order = (
