@@ -234,7 +234,7 @@ def test_cli_method_ngram(capsys, tmp_path):
     "argv,message",
     [
         (["--method", "medusa"], "--method medusa is not implemented yet"),
-        (["--method", "eagle+ngram"], "--method eagle+ngram is not implemented yet"),
+        (["--method", "eagle+ngram", "--tree", "chain:4"], "needs a dynamic or adaptive --tree"),
         (
             ["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
             "min_n (3) must be <= max_n (2)",
