@@ -175,7 +175,7 @@ class MergedDrafter(Drafter):
         values = torch.zeros(B, max(C, 1))
         for b, (tok, _, value, _) in enumerate(merged):
             values[b, : len(tok) - 1] = torch.tensor(value[1:])
-        levels = max(uncapped.levels, max(max(r[2]) for r in ngram_rows))
+        levels = uncapped.levels  # what drafting cost: EAGLE's levels (lookups cost ~0)
         kept = policy.sizes(values, levels).cpu() if C else torch.zeros(B, dtype=torch.long)
         rows = []
         for b, (tok, par, _, conf) in enumerate(merged):
