@@ -150,3 +150,17 @@ def test_acceptance_at_least_the_better_part_on_copying():
             _, stats = run_with(model, drafter, tree, 1, params=params, prompts=[prompt])
             lengths[name] = stats.mean_acceptance_length
         assert lengths["merged"] >= max(lengths["eagle"], lengths["ngram"]) - 1e-9, lengths
+
+
+def test_without_lookups_merged_is_eagle():
+    """When the n-gram part never matches (16-grams), the merged tree is EAGLE's own tree:
+    the same steps as EAGLE alone, so EAGLE's state (its features of the accepted nodes,
+    gathered by the merged tree's indices) is committed exactly as in the EAGLE drafter."""
+    model = tiny_model()
+    head = oracle_head(model)
+    params = SamplingParams(max_new_tokens=24)
+    eagle, eagle_stats = run_with(model, EagleDrafter(head), "dynamic:4,3,10", 3, params=params)
+    out, stats = run_with(model, merged(head, 16, 16), "dynamic:4,3,10", 3, params=params)
+    assert out == eagle
+    assert stats.target_forwards == eagle_stats.target_forwards
+    assert stats.nodes_verified == eagle_stats.nodes_verified
