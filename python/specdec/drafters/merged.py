@@ -121,13 +121,14 @@ class MergedDrafter(Drafter):
 
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
         ng = self.ngram
-        ngram_rows = [  # per request (tokens, parents, depths, counts), the n-gram trie
-            ng.trie(root, ng.continuations(ng.history[slot][: ng.lens[slot]]))
-            for slot, root in zip(slots.tolist(), roots.tolist())
-        ]
+        ngram_rows, matched = [], []  # per request the n-gram trie, and the n matched
+        for slot, root in zip(slots.tolist(), roots.tolist()):
+            n, conts = ng.match(ng.history[slot][: ng.lens[slot]])
+            ngram_rows.append(ng.trie(root, conts))  # (tokens, parents, depths, counts)
+            matched.append(n)
         if policy is None:
             return self._dynamic(slots, roots, sampling, ngram_rows)
-        return self._adaptive(slots, roots, sampling, ngram_rows, policy)
+        return self._adaptive(slots, roots, sampling, ngram_rows, matched, policy)
 
     def _dynamic(self, slots, roots, sampling, ngram_rows) -> Proposal:
         e = self.eagle.propose(slots, roots, sampling, None)  # ranked best first, topological
@@ -141,15 +142,15 @@ class MergedDrafter(Drafter):
             rows.append((tok, par, None))
         return self._proposal(rows, roots, None)
 
-    def _adaptive(self, slots, roots, sampling, ngram_rows, policy) -> Proposal:
+    def _adaptive(self, slots, roots, sampling, ngram_rows, matched, policy) -> Proposal:
         uncapped = _Uncapped(policy)
         e = self.eagle.propose(slots, roots, sampling, uncapped)  # every candidate, ranked
         assert e.confidence is not None
         e_tokens, e_parents = e.tokens.tolist(), e.parents.tolist()
         e_num, e_conf = e.num_nodes.tolist(), e.confidence.tolist()
         merged = []  # per request: tokens, parents, values, confidences of the union
-        for b, (n_tok, n_par, _, n_cnt) in enumerate(ngram_rows):
-            n_conf = [1.0] + [n_cnt[i] / n_cnt[n_par[i]] for i in range(1, len(n_tok))]
+        for b, (n_tok, n_par, _, _) in enumerate(ngram_rows):
+            n_conf = self.ngram.confidences(ngram_rows[b], matched[b])
             trees = [(n_tok, n_par), (e_tokens[b], e_parents[b])]
             visits = [(1, i) for i in range(1, e_num[b])] + [(0, i) for i in range(1, len(n_tok))]
             tok, par, origin = merge_trees(int(roots[b]), trees, visits, 1 << 30)
