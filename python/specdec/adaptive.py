@@ -30,8 +30,12 @@ Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target
     verify(mean tree size) and the best trees are the M most likely nodes of the whole
     batch (one ranking over every request's candidates, M maximizing the batch's expected
     tokens per second): a confident request gets a big tree, an unsure one a small tree or
-    the root alone (a plain step for it inside the same forward). `per_request = False`:
-    one size N for every request, from the batch-mean values (the earlier rule).
+    the root alone (a plain step for it inside the same forward). The shared per-depth
+    statistics cannot tell requests apart when their drafts look alike (n-gram lookups are
+    as "sure" in free text as in copied text), so each request also keeps its own record,
+    accepted drafts over predicted ones (decayed, reset when its slot is reused), which
+    scales its values (Policy.request_factor). `per_request = False`: one size N for every
+    request, from the batch-mean values (the earlier rule, without the records).
 Every step is an ordinary speculative step (exact for any tree), so the outputs follow the
 target exactly; only the speed depends on these choices.
 """
@@ -48,6 +52,9 @@ from .drafting import TreeSpec, draft_dynamic
 DECAY = 0.97  # per step: the statistics cover roughly the last 30 steps
 PRIOR = 2.0  # pseudo-count of confidence behind the initial ratio 1 (trust the head at first)
 MIN_PROBE, MAX_PROBE = 4, 64
+# per request: pseudo-count of expected acceptances behind its factor 1 (a new request is
+# trusted to behave as the shared statistics predict)
+REQUEST_PRIOR = 1.0
 
 
 @dataclass
@@ -239,6 +246,12 @@ class Policy:
         self.batch = (
             cost.batch_size
         )  # live occupancy: the requests in this step (set by the engine)
+        # per request (engine slot): decayed accepted drafts and what the shared statistics
+        # predicted for them; their ratio scales the request's values in sizes(), so a request
+        # whose drafts fail more (or less) often than their confidence says gets smaller
+        # (larger) trees. slots: the requests of this step's rows (set by the engine).
+        self.request_stats: dict[int, list[float]] = {}
+        self.slots: list | None = None
 
     # ------------------------------------------------------------------ 1. plain or not
     def plain_rate(self) -> float:
@@ -334,6 +347,17 @@ class Policy:
         finally:
             self.per_request = per_request
 
+    def start(self, slots) -> None:
+        """New requests in slots (ints): their own statistics start over."""
+        for s in slots:
+            self.request_stats.pop(int(s), None)
+
+    def request_factor(self, slot: int) -> float:
+        """How much more often this request's drafts are accepted than predicted (1: as
+        predicted, or no evidence yet)."""
+        acc, expected = self.request_stats.get(slot, (0.0, 0.0))
+        return (acc + REQUEST_PRIOR) / (expected + REQUEST_PRIOR)
+
     def sizes(self, values: torch.Tensor, levels: int) -> torch.Tensor:
         """Candidate values [B, C] (>= 0; padding 0) -> long [B]: how many candidates each
         request keeps (its most likely ones). Per request: the M best candidates of the
@@ -344,6 +368,9 @@ class Policy:
         if not self.per_request:
             n = self.best(self.prefix_values(values), levels)[1]
             return torch.full((B,), n, dtype=torch.long, device=values.device)
+        if self.slots is not None and len(self.slots) == B:  # each request's own record
+            f = torch.tensor([self.request_factor(s) for s in self.slots], device=values.device)
+            values = (values * f[:, None].to(values.dtype)).clamp(max=1.0)
         M = self.best(self.prefix_values(values), levels, rows=B)[1]
         top = values.sort(dim=1, descending=True).values[:, : self.spec.total - 1]
         # the M best of the batch; a stable sort takes, among equal values, a row's earlier
@@ -354,9 +381,10 @@ class Policy:
         return counts.view(B, -1).sum(1)
 
     # ------------------------------------------------------------------ learning
-    def observe(self, d, depth, accepted_nodes, num_accepted):
+    def observe(self, d, depth, accepted_nodes, num_accepted, slots=None):
         """After a speculative step: d the Draft (with .confidence), depth [B, T] of its nodes,
-        accepted_nodes / num_accepted from tree_rejection_sample."""
+        accepted_nodes / num_accepted from tree_rejection_sample; slots: the rows' requests
+        (their own statistics, see request_factor)."""
         B, T = d.tokens.shape
         node = torch.arange(T, device=d.tokens.device)
         on_path = torch.zeros(B, T + 1, dtype=torch.bool, device=d.tokens.device)
@@ -371,6 +399,14 @@ class Policy:
         sums[0].index_add_(0, dep, d.confidence[tried].double())
         sums[1].index_add_(0, dep, on_path[tried].double())
         conf, acc = sums.cpu()
+        if slots is not None:  # per request: accepted vs predicted (before this update)
+            ratio = (self.accepted / self.confidence).to(d.confidence.device)
+            predicted = torch.zeros(B, T, dtype=torch.float64, device=dep.device)
+            predicted[tried] = (ratio[dep] * d.confidence[tried].double()).clamp(max=1.0)
+            per_row = torch.stack([(on_path & tried).double().sum(1), predicted.sum(1)], 1).tolist()
+            for slot, (a, e) in zip(slots, per_row):
+                st = self.request_stats.setdefault(int(slot), [0.0, 0.0])
+                st[0], st[1] = DECAY * st[0] + a, DECAY * st[1] + e
         self.confidence = DECAY * self.confidence + conf
         self.accepted = DECAY * self.accepted + acc
         # keep the prior's weight as a floor, so a depth that is never tried keeps ratio ~1

@@ -254,3 +254,34 @@ def test_greedy_adaptive_per_request_equals_plain_with_mixed_sizes(monkeypatch):
     adaptive, _ = run(model, oracle_head(model), "adaptive:4,3,10", 3, cost_model=PER_NODE)
     assert adaptive == plain
     assert any(min(c) < max(c) for c in chosen) and any(0 in c and max(c) > 0 for c in chosen)
+
+
+def test_policy_learns_each_requests_record():
+    """Same confidences, different track records: the request whose drafts keep failing
+    gets a smaller tree than the one whose drafts are accepted (shared per-depth statistics
+    alone cannot tell them apart); a new request in the slot starts afresh."""
+    p = Policy(PER_NODE, SPEC)
+    p.batch, p.slots = 2, [0, 1]
+    d = type(
+        "D",
+        (),
+        dict(
+            tokens=torch.tensor([[5, 6, 7], [5, 6, 7]]),
+            parents=torch.tensor([[-1, 0, 1]] * 2, dtype=torch.int32),
+            num_nodes=torch.tensor([3, 3], dtype=torch.int32),
+            confidence=torch.tensor([[1.0, 0.6, 0.6]] * 2),
+        ),
+    )()
+    depth = torch.tensor([[0, 1, 2]] * 2)
+    # slot 0: both drafts accepted; slot 1: the first rejected
+    accepted = torch.tensor([[0, 1, 2], [0, -1, -1]]), torch.tensor([2, 0])
+    values = torch.tensor([[0.6, 0.36], [0.6, 0.36]])
+    assert p.sizes(values, 2).tolist()[0] == p.sizes(values, 2).tolist()[1]  # no record yet
+    for _ in range(10):
+        p.sizes(values, 2)
+        p.observe(d, depth, *accepted, slots=[0, 1])
+    assert p.request_factor(0) > 1 > p.request_factor(1)
+    sizes = p.sizes(p.node_value(None, torch.tensor([[0.6, 0.6]] * 2).log(), depth=1), 1)
+    assert sizes[0] > sizes[1]
+    p.start([1])
+    assert p.request_factor(1) == 1.0

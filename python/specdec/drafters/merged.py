@@ -18,8 +18,9 @@ Sizes (TreeSpec bounds: TOTAL nodes per request, root included):
       n-gram drafter's own tree, and its greedy acceptance is at least the n-gram one's.
   adaptive[:D,K,N]: every candidate of both parts gets its predicted acceptance from the
       policy (adaptive.Policy.node_value of its confidence, per depth: the head's
-      probability for EAGLE, the share of occurrences for n-gram; a shared node takes the
+      probability for EAGLE, NgramDrafter.confidences for n-gram; a shared node takes the
       larger), and the policy keeps each request's best ones in one ranking (Policy.sizes).
+      Drafting is priced at EAGLE's levels (lookups cost ~0).
 
 commit() forwards the StepResult to both parts: the n-gram part appends the emitted tokens,
 EAGLE gathers the target's features of the accepted nodes from result.hidden / result.aux by
