@@ -25,6 +25,17 @@ Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target
     (up to MAX_PROBE) while probes lose;
  2. depth: another draft level is drafted only while its best case raises E / time;
  3. size: the N most likely nodes maximizing E / (draft time + verify(N + 1)) are verified.
+    Per request (the default, `per_request`): the target's verify forward computes only the
+    real nodes of each tree (model.Transformer.forward packs them), so a step costs about
+    verify(mean tree size) and the best trees are the M most likely nodes of the whole
+    batch (one ranking over every request's candidates, M maximizing the batch's expected
+    tokens per second): a confident request gets a big tree, an unsure one a small tree or
+    the root alone (a plain step for it inside the same forward). The shared per-depth
+    statistics cannot tell requests apart when their drafts look alike (n-gram lookups are
+    as "sure" in free text as in copied text), so each request also keeps its own record,
+    accepted drafts over predicted ones (decayed, reset when its slot is reused), which
+    scales its values (Policy.request_factor). `per_request = False`: one size N for every
+    request, from the batch-mean values (the earlier rule, without the records).
 Every step is an ordinary speculative step (exact for any tree), so the outputs follow the
 target exactly; only the speed depends on these choices.
 """
@@ -41,6 +52,9 @@ from .drafting import TreeSpec, draft_dynamic
 DECAY = 0.97  # per step: the statistics cover roughly the last 30 steps
 PRIOR = 2.0  # pseudo-count of confidence behind the initial ratio 1 (trust the head at first)
 MIN_PROBE, MAX_PROBE = 4, 64
+# per request: pseudo-count of expected acceptances behind its factor 1 (a new request is
+# trusted to behave as the shared statistics predict)
+REQUEST_PRIOR = 1.0
 
 
 @dataclass
@@ -217,11 +231,12 @@ def _median_time(fn, repeats: int, device) -> float:
 
 
 class Policy:
-    """The per-engine adaptive state (shared by the requests of a batch: one tree size per
-    step, chosen on the batch-mean value)."""
+    """The per-engine adaptive state. The statistics (acceptance per depth, recent rates) are
+    shared by every request; the tree sizes are chosen per request (`sizes`), or one for the
+    whole batch step when per_request is False."""
 
-    def __init__(self, cost: CostModel, spec):
-        self.cost, self.spec = cost, spec
+    def __init__(self, cost: CostModel, spec, per_request: bool = True):
+        self.cost, self.spec, self.per_request = cost, spec, per_request
         self.accepted = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
         self.confidence = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
         # decayed sums over speculative steps: steps, tokens per request, draft levels, nodes
@@ -231,6 +246,12 @@ class Policy:
         self.batch = (
             cost.batch_size
         )  # live occupancy: the requests in this step (set by the engine)
+        # per request (engine slot): decayed accepted drafts and what the shared statistics
+        # predicted for them; their ratio scales the request's values in sizes(), so a request
+        # whose drafts fail more (or less) often than their confidence says gets smaller
+        # (larger) trees. slots: the requests of this step's rows (set by the engine).
+        self.request_stats: dict[int, list[float]] = {}
+        self.slots: list | None = None
 
     # ------------------------------------------------------------------ 1. plain or not
     def plain_rate(self) -> float:
@@ -267,22 +288,39 @@ class Policy:
         local = (logprob.float().exp() * ratio).clamp(max=1.0)
         return local if parent_value is None else parent_value[..., None] * local
 
-    @staticmethod
-    def prefix_values(values: torch.Tensor) -> list:
-        """Candidate values [B, C] -> [s_1 .. s_C]: expected accepted drafts of the n most
-        likely candidates (batch mean)."""
-        return values.sort(dim=1, descending=True).values.cumsum(1).mean(0).tolist()
+    def prefix_values(self, values: torch.Tensor) -> list:
+        """Candidate values [B, C] -> [s_1, s_2, ...]: expected accepted drafts per request of
+        the n most likely candidates. Batch-level: n per request, the batch mean (C entries).
+        Per request: n over the whole batch, best first, divided by B (B * C' entries, C' =
+        min(C, TOTAL - 1): entry M is the mean over requests when the batch keeps its M best
+        nodes, about M / B per request)."""
+        values = values.sort(dim=1, descending=True).values
+        if not self.per_request:
+            return values.cumsum(1).mean(0).tolist()
+        B = values.shape[0]
+        top = values[:, : self.spec.total - 1].flatten()
+        return (top.sort(descending=True).values.cumsum(0) / B).tolist()
 
-    def best(self, sums: list, levels: int, extra_nodes: int = 0, gain: float = 0.0):
-        """-> (rate, N): the best expected tokens per second over the N most likely
+    def best(self, sums: list, levels: int, extra_nodes: int = 0, gain: float = 0.0, rows: int = 1):
+        """-> (rate, n): the best expected tokens per second over the n most likely
         candidates (sums from prefix_values), drafting `levels` levels; gain (with
-        extra_nodes more nodes) is the optimistic value of one more level."""
+        extra_nodes more nodes per request) is the optimistic value of one more level.
+        Per request (sums over the batch's `rows` requests) the n-th candidate adds 1 / rows
+        node to the mean tree size, whose verify cost is interpolated between whole sizes
+        (the forward computes the real nodes only)."""
         B = self.batch
         draft = self.cost.draft(levels, B)
-        best_rate, best_n = 1.0 / (draft + self.cost.verify(1, B)), 0
-        for n in range(1, min(len(sums), self.spec.total - 1) + 1):
-            T = min(n + extra_nodes, self.spec.total - 1) + 1
-            rate = (1.0 + sums[n - 1] + gain) / (draft + self.cost.verify(T, B))
+        # verify(T) at T = 1 .. TOTAL, once: piecewise linear between whole T (the measured
+        # sizes are whole), so the mean sizes below interpolate exactly
+        whole = [self.cost.verify(T, B) for T in range(1, self.spec.total + 1)]
+        best_rate, best_n = 1.0 / (draft + whole[0]), 0
+        step = 1.0 / rows if self.per_request else 1.0
+        limit = len(sums) if self.per_request else min(len(sums), self.spec.total - 1)
+        for n in range(1, limit + 1):
+            x = min(n * step + extra_nodes, self.spec.total - 1)  # drafts per request, mean
+            lo = int(x)
+            verify = whole[lo] + (whole[min(lo + 1, len(whole) - 1)] - whole[lo]) * (x - lo)
+            rate = (1.0 + sums[n - 1] + gain) / (draft + verify)
             if rate > best_rate:
                 best_rate, best_n = rate, n
         return best_rate, best_n
@@ -293,21 +331,60 @@ class Policy:
         allows."""
         if levels >= self.spec.depth:
             return False
-        sums = self.prefix_values(values)
-        now, _ = self.best(sums, levels)
+        sums, rows = self.prefix_values(values), values.shape[0]
+        now, _ = self.best(sums, levels, rows=rows)
         ratio = min(1.0, float(self.accepted[levels] / self.confidence[levels]))
         gain = float(frontier_values.sum(1).mean()) * ratio
-        later, _ = self.best(sums, levels + 1, frontier_values.shape[1], gain)
+        later, _ = self.best(sums, levels + 1, frontier_values.shape[1], gain, rows)
         return later > now
 
     def size(self, values: torch.Tensor, levels: int) -> int:
+        """One tree size for every request (the batch-level rule; B = 1: the same as sizes)."""
         self.levels = levels
-        return self.best(self.prefix_values(values), levels)[1]
+        per_request, self.per_request = self.per_request, False
+        try:
+            return self.best(self.prefix_values(values), levels)[1]
+        finally:
+            self.per_request = per_request
+
+    def start(self, slots) -> None:
+        """New requests in slots (ints): their own statistics start over."""
+        for s in slots:
+            self.request_stats.pop(int(s), None)
+
+    def request_factor(self, slot: int) -> float:
+        """How much more often this request's drafts are accepted than predicted (1: as
+        predicted, or no evidence yet)."""
+        acc, expected = self.request_stats.get(slot, (0.0, 0.0))
+        return (acc + REQUEST_PRIOR) / (expected + REQUEST_PRIOR)
+
+    def sizes(self, values: torch.Tensor, levels: int) -> torch.Tensor:
+        """Candidate values [B, C] (>= 0; padding 0) -> long [B]: how many candidates each
+        request keeps (its most likely ones). Per request: the M best candidates of the
+        whole batch, so rows keep different counts (0: the root alone); batch-level: size()
+        for every row."""
+        self.levels = levels
+        B = values.shape[0]
+        if not self.per_request:
+            n = self.best(self.prefix_values(values), levels)[1]
+            return torch.full((B,), n, dtype=torch.long, device=values.device)
+        if self.slots is not None and len(self.slots) == B:  # each request's own record
+            f = torch.tensor([self.request_factor(s) for s in self.slots], device=values.device)
+            values = (values * f[:, None].to(values.dtype)).clamp(max=1.0)
+        M = self.best(self.prefix_values(values), levels, rows=B)[1]
+        top = values.sort(dim=1, descending=True).values[:, : self.spec.total - 1]
+        # the M best of the batch; a stable sort takes, among equal values, a row's earlier
+        # candidates first, so each row keeps a prefix of its own ranking
+        pick = top.flatten().sort(descending=True, stable=True).indices[:M]
+        counts = torch.zeros(top.numel(), dtype=torch.long, device=values.device)
+        counts[pick] = 1
+        return counts.view(B, -1).sum(1)
 
     # ------------------------------------------------------------------ learning
-    def observe(self, d, depth, accepted_nodes, num_accepted):
+    def observe(self, d, depth, accepted_nodes, num_accepted, slots=None):
         """After a speculative step: d the Draft (with .confidence), depth [B, T] of its nodes,
-        accepted_nodes / num_accepted from tree_rejection_sample."""
+        accepted_nodes / num_accepted from tree_rejection_sample; slots: the rows' requests
+        (their own statistics, see request_factor)."""
         B, T = d.tokens.shape
         node = torch.arange(T, device=d.tokens.device)
         on_path = torch.zeros(B, T + 1, dtype=torch.bool, device=d.tokens.device)
@@ -322,6 +399,14 @@ class Policy:
         sums[0].index_add_(0, dep, d.confidence[tried].double())
         sums[1].index_add_(0, dep, on_path[tried].double())
         conf, acc = sums.cpu()
+        if slots is not None:  # per request: accepted vs predicted (before this update)
+            ratio = (self.accepted / self.confidence).to(d.confidence.device)
+            predicted = torch.zeros(B, T, dtype=torch.float64, device=dep.device)
+            predicted[tried] = (ratio[dep] * d.confidence[tried].double()).clamp(max=1.0)
+            per_row = torch.stack([(on_path & tried).double().sum(1), predicted.sum(1)], 1).tolist()
+            for slot, (a, e) in zip(slots, per_row):
+                st = self.request_stats.setdefault(int(slot), [0.0, 0.0])
+                st[0], st[1] = DECAY * st[0] + a, DECAY * st[1] + e
         self.confidence = DECAY * self.confidence + conf
         self.accepted = DECAY * self.accepted + acc
         # keep the prior's weight as a floor, so a depth that is never tried keeps ratio ~1
@@ -332,4 +417,7 @@ class Policy:
         self.spec_steps = DECAY * self.spec_steps + 1.0
         self.spec_tokens = DECAY * self.spec_tokens + tokens
         self.spec_levels = DECAY * self.spec_levels + self.levels
-        self.spec_nodes = DECAY * self.spec_nodes + T
+        # the step's verify cost: of the padded size, or per request of the mean real size
+        # (the forward computes the real nodes only)
+        nodes = float(d.num_nodes.double().mean()) if self.per_request else T
+        self.spec_nodes = DECAY * self.spec_nodes + nodes

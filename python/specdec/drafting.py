@@ -251,8 +251,9 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
     TOTAL - 1 are closed under ancestors and already in topological order.
 
     policy (adaptive.Policy, optional) decides whether to draft each further level and how
-    many candidates to keep, ranked by its predicted acceptance (also <= the parent's); the
-    tree is then only as wide as it keeps (T = N + 1) and carries each node's confidence."""
+    many candidates each request keeps, ranked by its predicted acceptance (also <= the
+    parent's); the tree is then only as wide as the largest request's (T = max N_b + 1),
+    the smaller ones padded, and carries each node's confidence."""
     B, K, D = root_tokens.shape[0], spec.topk, spec.depth
     dev = root_tokens.device
     tree = HeadTree(head, cache, slots, spec.head_nodes)
@@ -297,9 +298,11 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
     all_parents = torch.cat(cand_parents, 1)
     if policy is None:
         rank, N, T = torch.cat(cand_scores, 1), min(spec.total - 1, num_cand), spec.num_nodes
+        kept = torch.full((B,), N, dtype=torch.long, device=dev)
     else:
         rank = torch.cat(cand_values, 1)
-        N = policy.size(rank, levels)
+        kept = policy.sizes(rank, levels)  # [B]: each request's own size (0: the root only)
+        N = int(kept.max())
         T = N + 1
     order = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :N]  # [B, N]
     node_of = torch.zeros(B, num_cand, dtype=torch.long, device=dev)  # candidate -> tree node
@@ -307,21 +310,19 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
     parent_cand = all_parents.gather(1, order)
     tree_parent = torch.where(parent_cand < 0, 0, node_of.gather(1, parent_cand.clamp(min=0)))
 
+    # row b keeps its kept[b] best (a prefix of its ranking: closed under ancestors); the
+    # rest of its N columns is padding
+    real = torch.arange(1, N + 1, device=dev)[None] <= kept[:, None]  # [B, N]
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
     parents = torch.full((B, T), -1, dtype=torch.int32, device=dev)
     tokens[:, 0] = root_tokens
-    tokens[:, 1 : N + 1] = all_tokens.gather(1, order)
-    parents[:, 1 : N + 1] = tree_parent.to(torch.int32)
+    tokens[:, 1 : N + 1] = all_tokens.gather(1, order).masked_fill(~real, 0)
+    parents[:, 1 : N + 1] = tree_parent.to(torch.int32).masked_fill(~real, -1)
     confidence = None
     if policy is not None:  # the head's probability of each node's token given its parent
         confidence = torch.ones(B, T, device=dev)
         confidence[:, 1:] = torch.cat(cand_lp, 1).gather(1, order).float().exp()
-    return Draft(
-        tokens,
-        parents,
-        torch.full((B,), N + 1, dtype=torch.int32, device=dev),
-        confidence=confidence,
-    )
+    return Draft(tokens, parents, (kept + 1).to(torch.int32), confidence=confidence)
 
 
 def draft_distribution(logits, sampling: BatchSampling):

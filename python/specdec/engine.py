@@ -569,6 +569,8 @@ class Engine:
             root = root_only(torch.zeros(B, dtype=torch.long, device=self.device))
             _, _, first = self._sample(self._sampling(seqs), out.logits[:, None], root, seqs)
             first = first[:, 0].long()
+            if self.policy is not None:  # the slots' per-request statistics start over
+                self.policy.start(slots.tolist())
             self.drafter.start(
                 slots, prompts, first, out.hidden, out.aux, [s.error is None for s in seqs]
             )
@@ -586,6 +588,7 @@ class Engine:
         with timed(self.device, "draft", all_stats):
             if self.policy is not None:
                 self.policy.batch = len(seqs)  # live occupancy: the costs of this step's batch
+                self.policy.slots = [s.slot for s in seqs]  # whose rows (per-request sizes)
             if self.policy is not None and not self.policy.speculate():
                 d = root_only(roots)
             else:
@@ -615,9 +618,12 @@ class Engine:
                         depth[rows],
                         accepted_nodes[rows],
                         num_accepted[rows],
+                        [seqs[b].slot for b in ok],
                     )
                 else:
-                    self.policy.observe(d, depth, accepted_nodes, num_accepted)
+                    self.policy.observe(
+                        d, depth, accepted_nodes, num_accepted, [s.slot for s in seqs]
+                    )
         with timed(self.device, "compact", all_stats):
             ops.compact_kv(
                 self.cache.k,

@@ -69,6 +69,9 @@ class AttentionMetadata:
     )
     tree_mask: Tensor | None = None  # verify: int64 [B, T, ceil(T / 64)] from build_tree_mask
     start: int = 0  # verify: tree node of the first new token
+    # verify: the layers' inputs hold only the real nodes, [1, N] (the `picked` entries of
+    # [B * T]; Transformer.forward packs padded trees): attention unpacks them around the op
+    packed: bool = False
 
     @classmethod
     def prefill(cls, cache: PagedKVCache, slots: Tensor, positions: Tensor) -> "AttentionMetadata":
@@ -203,6 +206,8 @@ class Attention(nn.Module):
         """Writes k, v into the cache rows of `meta`, then attends.
 
         q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] -> [B, T, Hq, D]."""
+        if meta.packed:  # q, k, v: [1, N, H, D], the real nodes only
+            return self._attend_packed(q, k, v, meta)
         meta.cache.write_rows(self.layer_idx, meta.rows, meta.picked, k, v)
         if meta.mode == "prefill":
             out = F.scaled_dot_product_attention(
@@ -234,6 +239,28 @@ class Attention(nn.Module):
             self.scale,
         )
         return out if M == T else out[:, start : start + M]
+
+    def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        """q: [1, N, Hq, D], k, v: [1, N, Hkv, D], the real nodes (meta.picked of the padded
+        [B, T] trees) -> [1, N, Hq, D]: k, v go to their cache rows, the queries are laid out
+        as the padded trees for tree_verify (padding asks a zero query, its output dropped)."""
+        assert meta.tree_mask is not None and meta.block_table is not None
+        assert meta.cache_lens is not None and meta.num_nodes is not None
+        assert meta.picked is not None
+        meta.cache.write_rows(self.layer_idx, meta.rows, None, k, v)
+        B, T = meta.tree_mask.shape[:2]
+        q_tree = q.new_zeros(B * T, self.n_heads, self.head_dim).index_copy_(0, meta.picked, q[0])
+        out = ops.tree_verify(
+            q_tree.view(B, T, self.n_heads, self.head_dim),
+            meta.cache.k[self.layer_idx],
+            meta.cache.v[self.layer_idx],
+            meta.block_table,
+            meta.cache_lens,
+            meta.num_nodes,
+            meta.tree_mask,
+            self.scale,
+        )
+        return out.reshape(B * T, self.n_heads, self.head_dim).index_select(0, meta.picked)[None]
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata | Attend
@@ -393,11 +420,30 @@ class Transformer(nn.Module):
         """Verify draft trees: tokens: long [B, T] (node 0 = last emitted token, not yet cached);
         slots: int [B]; num_nodes: int32 [B]; tree_mask: int64 [B, T, ceil(T / 64)], depth: int32
         [B, T] from build_tree_mask. Node i is written at cache_lens + i and rotated at
-        cache_lens + depth[i]; cache_lens is not advanced."""
+        cache_lens + depth[i]; cache_lens is not advanced.
+
+        Trees of different sizes (num_nodes < T for some rows) are packed: every per-token
+        layer (projections, MLP, lm_head) runs on the real nodes only, so a request whose
+        tree is small (a plain step: the root only) costs no more than its nodes, whatever
+        the other requests' trees (the adaptive policy sizes trees per request on that
+        basis). Outputs at padding are zeros."""
         B, T = tokens.shape
         cache_lens = cache.cache_lens[slots]
         meta = AttentionMetadata.verify(cache, slots, cache_lens, num_nodes, tree_mask)
-        cos, sin = self.rope(cache_lens[:, None] + depth)
-        h, feats = self._layers(self.tok_embeddings(tokens), cos, sin, meta, feature_layers)
-        aux = torch.cat(feats, dim=-1) if feats else h.new_empty(B, T, 0)
-        return VerifyOut(self.lm_head(h).float(), h, aux)
+        positions = cache_lens[:, None] + depth
+        picked = meta.picked
+        if picked is None or picked.numel() == B * T:  # full trees: nothing to skip
+            cos, sin = self.rope(positions)
+            h, feats = self._layers(self.tok_embeddings(tokens), cos, sin, meta, feature_layers)
+            aux = torch.cat(feats, dim=-1) if feats else h.new_empty(B, T, 0)
+            return VerifyOut(self.lm_head(h).float(), h, aux)
+        meta.packed = True
+        cos, sin = self.rope(positions.flatten()[picked][None])  # [1, N, 1, D]
+        x = self.tok_embeddings(tokens.flatten()[picked][None])  # [1, N, dim]
+        h, feats = self._layers(x, cos, sin, meta, feature_layers)
+
+        def unpack(t: Tensor) -> Tensor:  # [1, N, C] -> [B, T, C], zeros at padding
+            return t.new_zeros(B * T, t.shape[-1]).index_copy_(0, picked, t[0]).view(B, T, -1)
+
+        aux = unpack(torch.cat(feats, dim=-1)) if feats else h.new_empty(B, T, 0)
+        return VerifyOut(unpack(self.lm_head(h).float()), unpack(h), aux)

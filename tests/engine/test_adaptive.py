@@ -230,3 +230,78 @@ def test_engine_trees_shrink_under_load():
     plain, _ = run(model, None, "chain:1", 4)
     assert full == plain and lone[0] == plain[0]
     assert lone_stats.nodes_per_step > 2.0 and full_stats.nodes_per_step < 1.2
+
+
+# per request (issue 12): every extra node costs 0.3 of a plain step (the packed forward
+# computes the real nodes only), drafting is nearly free
+PER_NODE = CostModel(2, [1, 2, 4, 10], [1.0, 1.3, 1.9, 3.7], [0.02, 0.04, 0.06, 0.08])
+
+
+def test_policy_sizes_each_request_from_its_own_values():
+    """A confident and an unsure request in one batch: per request, the confident one gets
+    its whole tree and the unsure one the root only; the batch-level rule (the mean) gives
+    both the same size."""
+    values = torch.tensor([[0.95, 0.9, 0.85], [0.1, 0.05, 0.01]])
+    p = Policy(PER_NODE, SPEC)
+    p.batch = 2
+    assert p.sizes(values, 1).tolist() == [3, 0]
+    assert p.sizes(values.flip(0), 1).tolist() == [0, 3]  # rows are independent of order
+    batch_level = Policy(PER_NODE, SPEC, per_request=False)
+    batch_level.batch = 2
+    assert batch_level.sizes(values, 1).tolist() == [3, 3]
+    # one request alone: both rules agree (and agree with size())
+    for v in values:
+        assert p.sizes(v[None], 1).tolist() == batch_level.sizes(v[None], 1).tolist()
+        assert p.sizes(v[None], 1).item() == p.size(v[None], 1)
+    # ties and a row with fewer real candidates (padding 0): each row keeps a prefix
+    sizes = p.sizes(torch.tensor([[0.9, 0.9, 0.0], [0.9, 0.9, 0.9]]), 1)
+    assert sizes.tolist() == [2, 3]
+
+
+def test_greedy_adaptive_per_request_equals_plain_with_mixed_sizes(monkeypatch):
+    """Per-request sizes in a batch of 3 (the oracle head is sure of some requests and not of
+    others): exact, and the rows' trees did differ within steps (root-only rows included)."""
+    model = tiny_model()
+    plain, _ = run(model, None, "chain:1", 3)
+    chosen = []
+    sizes = Policy.sizes
+
+    def spy(self, values, levels):
+        chosen.append(sizes(self, values, levels).tolist())
+        return torch.tensor(chosen[-1])
+
+    monkeypatch.setattr(Policy, "sizes", spy)
+    adaptive, _ = run(model, oracle_head(model), "adaptive:4,3,10", 3, cost_model=PER_NODE)
+    assert adaptive == plain
+    assert any(min(c) < max(c) for c in chosen) and any(0 in c and max(c) > 0 for c in chosen)
+
+
+def test_policy_learns_each_requests_record():
+    """Same confidences, different track records: the request whose drafts keep failing
+    gets a smaller tree than the one whose drafts are accepted (shared per-depth statistics
+    alone cannot tell them apart); a new request in the slot starts afresh."""
+    p = Policy(PER_NODE, SPEC)
+    p.batch, p.slots = 2, [0, 1]
+    d = type(
+        "D",
+        (),
+        dict(
+            tokens=torch.tensor([[5, 6, 7], [5, 6, 7]]),
+            parents=torch.tensor([[-1, 0, 1]] * 2, dtype=torch.int32),
+            num_nodes=torch.tensor([3, 3], dtype=torch.int32),
+            confidence=torch.tensor([[1.0, 0.6, 0.6]] * 2),
+        ),
+    )()
+    depth = torch.tensor([[0, 1, 2]] * 2)
+    # slot 0: both drafts accepted; slot 1: the first rejected
+    accepted = torch.tensor([[0, 1, 2], [0, -1, -1]]), torch.tensor([2, 0])
+    values = torch.tensor([[0.6, 0.36], [0.6, 0.36]])
+    assert p.sizes(values, 2).tolist()[0] == p.sizes(values, 2).tolist()[1]  # no record yet
+    for _ in range(10):
+        p.sizes(values, 2)
+        p.observe(d, depth, *accepted, slots=[0, 1])
+    assert p.request_factor(0) > 1 > p.request_factor(1)
+    sizes = p.sizes(p.node_value(None, torch.tensor([[0.6, 0.6]] * 2).log(), depth=1), 1)
+    assert sizes[0] > sizes[1]
+    p.start([1])
+    assert p.request_factor(1) == 1.0

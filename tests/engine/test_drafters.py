@@ -234,7 +234,7 @@ def test_cli_method_ngram(capsys, tmp_path):
     "argv,message",
     [
         (["--method", "medusa"], "--method medusa is not implemented yet"),
-        (["--method", "eagle+ngram"], "--method eagle+ngram is not implemented yet"),
+        (["--method", "eagle+ngram", "--tree", "chain:4"], "needs a dynamic or adaptive --tree"),
         (
             ["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
             "min_n (3) must be <= max_n (2)",
@@ -248,3 +248,36 @@ def test_cli_rejects_before_loading_the_model(capsys, argv, message):
         main(["generate", "--prompt", "hi", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_ngram_adaptive_sizes_each_request():
+    """Adaptive per request (issue 12): a request that repeats its prompt gets long n-gram
+    trees, one whose lookups are split and wrong gets (nearly) the root only, in the same
+    batch; outputs stay exact."""
+    from specdec.adaptive import CostModel
+
+    model = copying_model()
+    # every extra node costs 0.3 of a plain step (the forward computes real nodes only)
+    cost = CostModel(2, [1, 2, 4, 10], [1.0, 1.3, 1.9, 3.7], [0.0] * 4)
+    # the second prompt: each token it will generate (9, 10, ...) occurs three times, with
+    # three different (wrong) successors: split, low-confidence lookups
+    other = [t for t in range(9, 21) for k in (5, 7, 9) for t in (t, 8 + (t - 8 + k) % 24)]
+    prompts = [list(range(8)) + [0, 1, 2, 3], other + [8]]
+    params = SamplingParams(max_new_tokens=20)
+    ref, _ = run(model, None, "chain:1", 2, prompts=prompts, params=params)
+    nodes = {}
+    for per_request in (True, False):
+        eng = Engine(
+            model,
+            drafter=NgramDrafter(),
+            tree="adaptive:4,3,10",
+            batch_size=2,
+            max_seq_len=96,
+            cost_model=cost,
+        )
+        eng.policy.per_request = per_request
+        results, _ = eng.generate([Request(p, params) for p in prompts])
+        assert [r.token_ids for r in results] == ref
+        nodes[per_request] = [r.stats.nodes_verified / r.stats.target_forwards for r in results]
+    (copy, unsure), (_, unsure_batch) = nodes[True], nodes[False]
+    assert copy > 2.5 * unsure and unsure < unsure_batch, nodes

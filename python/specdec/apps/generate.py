@@ -21,8 +21,8 @@ from ..errors import InvalidRequestError
 from .common import add_model_placement_arguments, load_model_from_args
 
 RANDOM_HEAD_SEED = 0
-METHODS = ("plain", "eagle", "ngram")
-NOT_YET = ("medusa", "draft", "eagle+ngram")  # issue 12's other drafters
+METHODS = ("plain", "eagle", "ngram", "eagle+ngram")
+NOT_YET = ("medusa", "draft")  # issue 12's other drafters
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser):
         choices=METHODS + NOT_YET,
         default="eagle",
         help="the drafter: plain (none), eagle (an EAGLE head), ngram (prompt lookup over the "
-        "request's own tokens) (default %(default)s)",
+        "request's own tokens), eagle+ngram (both in one merged tree) (default %(default)s)",
     )
     p.add_argument(
         "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
@@ -97,10 +97,14 @@ def run(args) -> int:
     prompts, rejected = read_prompts(args)  # rejected: {index: why} of prompts that cannot run
     tree = TreeSpec.parse(args.tree)
     drafter = None
-    if args.method == "ngram":
+    if args.method in ("ngram", "eagle+ngram"):
         from ..drafters.ngram import NgramDrafter
 
         drafter = NgramDrafter(max_n=args.ngram_max, min_n=args.ngram_min)
+    if args.method == "eagle+ngram" and tree.kind == "chain":
+        raise InvalidRequestError(
+            f"--method eagle+ngram needs a dynamic or adaptive --tree, got {tree}"
+        )
     params = [
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i, args.max_new_tokens)
         for i in range(len(prompts))
@@ -115,7 +119,12 @@ def run(args) -> int:
     if len(rejected) == len(prompts):
         raise InvalidRequestError(join_errors(list(rejected.values())))
     model, tokenizer = load_model_from_args(args)
-    head = load_eagle_head(args, model) if args.method == "eagle" else None
+    head = load_eagle_head(args, model) if args.method in ("eagle", "eagle+ngram") else None
+    if args.method == "eagle+ngram":
+        from ..drafters import EagleDrafter
+        from ..drafters.merged import MergedDrafter
+
+        drafter = MergedDrafter(EagleDrafter(head), drafter)
     if drafter is None:
         from ..drafters import EagleDrafter, PlainDrafter
 
@@ -166,6 +175,8 @@ def run(args) -> int:
     label = {"plain": "plain", "ngram": f"ngram:{args.ngram_min}-{args.ngram_max} {tree}"}.get(
         args.method, f"eagle-{head.version} {tree}" if head is not None else ""
     )
+    if args.method == "eagle+ngram":
+        label = f"eagle+ngram:{args.ngram_min}-{args.ngram_max} {label}"
     print(f"\n== {label}, batch size {args.batch_size} ==")
     print(stats.summary())
     return 1 if sink.failed else 0

@@ -12,7 +12,8 @@ every output exactly distributed as the target's, greedy or sampled.
 Tree shapes (--tree): chain:K, one continuation of up to K tokens; dynamic:DEPTH,TOPK,TOTAL,
 up to TOPK branches of up to DEPTH tokens, TOTAL nodes with the root; adaptive[:D,K,N], the
 same bounds, and adaptive.Policy keeps the nodes worth verifying. A node's confidence is the
-share of the merged occurrences through its parent that continue with its token; the policy
+share of the merged occurrences through its parent that continue with its token (scaled by
+n / max_n at the first level: longer matches are more often right); the policy
 calibrates it per depth with what is actually accepted. Drafting costs ~0 model time, so the
 cost model's draft times are zero.
 """
@@ -81,16 +82,34 @@ class NgramDrafter(Drafter):
     def continuations(self, h: np.ndarray) -> list:
         """The token lists that followed earlier occurrences of the longest matching suffix
         n-gram of h (n in [min_n, max_n]), most recent occurrence first; [] if none."""
+        return self.match(h)[1]
+
+    def match(self, h: np.ndarray) -> tuple[int, list]:
+        """-> (n, continuations): the length of the longest matching suffix n-gram (0: none)
+        and what followed its earlier occurrences (see continuations)."""
         L = len(h)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             # occurrences starting at i <= L - 1 - n: each is followed by at least one token
             windows = np.lib.stride_tricks.sliding_window_view(h[: L - 1], n)
             starts = np.flatnonzero((windows == h[L - n :]).all(axis=1))
             if len(starts):
-                return [
+                return n, [
                     h[i + n : i + n + self.depth].tolist() for i in starts[::-1][:MAX_OCCURRENCES]
                 ]
-        return []
+        return 0, []
+
+    def confidences(self, row, n: int) -> list:
+        """Per node of a trie row (tokens, parents, depths, counts) matched on a suffix
+        n-gram of length n: the share of the occurrences through its parent that continue
+        with its token, times n / max_n for the first level (a longer match is stronger
+        evidence: a lone 1-gram match in free text is as "unanimous" as a 4-gram match in
+        copied text, and far less often right). The root's is 1."""
+        tokens, parents, depths, counts = row
+        first = n / self.max_n
+        return [1.0] + [
+            counts[i] / counts[parents[i]] * (first if depths[i] == 1 else 1.0)
+            for i in range(1, len(tokens))
+        ]
 
     def trie(self, root: int, conts: list):
         """Merges conts under the root -> (tokens, parents, depths, counts), node 0 the root,
@@ -118,13 +137,14 @@ class NgramDrafter(Drafter):
         return tokens, parents, depths, counts
 
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
-        rows = []
+        rows, matched = [], []
         for slot, root in zip(slots.tolist(), roots.tolist()):
-            h = self.history[slot][: self.lens[slot]]
-            rows.append(self.trie(root, self.continuations(h)))
+            n, conts = self.match(self.history[slot][: self.lens[slot]])
+            rows.append(self.trie(root, conts))
+            matched.append(n)
         B, dev = len(rows), roots.device
         if policy is not None:
-            return self._adaptive(rows, roots, policy)
+            return self._adaptive(rows, matched, roots, policy)
         T = self.total
         tokens = torch.zeros(B, T, dtype=torch.long)
         parents = torch.full((B, T), -1, dtype=torch.int32)
@@ -134,17 +154,18 @@ class NgramDrafter(Drafter):
         num_nodes = torch.tensor([len(r[0]) for r in rows], dtype=torch.int32)
         return Proposal(tokens.to(dev), parents.to(dev), num_nodes.to(dev))
 
-    def _adaptive(self, rows, roots, policy) -> Proposal:
-        """Keeps the N candidates of highest predicted acceptance, N chosen by the policy (as
-        drafting.draft_dynamic does): a child's value is <= its parent's and its index is
-        larger, so a stable descending sort keeps every kept node's ancestors before it."""
+    def _adaptive(self, rows, matched, roots, policy) -> Proposal:
+        """Keeps each request's N_b candidates of highest predicted acceptance, N_b chosen by
+        the policy (as drafting.draft_dynamic does): a child's value is <= its parent's and
+        its index is larger, so a stable descending sort keeps every kept node's ancestors
+        before it."""
         B, dev = len(rows), roots.device
         C = max(len(r[0]) for r in rows) - 1  # candidates (drafts) of the widest row
         conf = torch.ones(B, C + 1)
         depth = torch.zeros(B, C + 1, dtype=torch.long)
-        for b, (tok, par, dep, cnt) in enumerate(rows):
-            conf[b, 1 : len(tok)] = torch.tensor([cnt[i] / cnt[par[i]] for i in range(1, len(tok))])
-            depth[b, : len(tok)] = torch.tensor(dep)
+        for b, (row, n) in enumerate(zip(rows, matched)):
+            conf[b, : len(row[0])] = torch.tensor(self.confidences(row, n))
+            depth[b, : len(row[0])] = torch.tensor(row[2])
         local = torch.ones(B, C + 1)  # the policy's P(accepted | parent accepted), per node
         for d in range(1, int(depth.max()) + 1):
             at = depth == d
@@ -156,15 +177,17 @@ class NgramDrafter(Drafter):
                 v[i] = v[par[i]] * p
             values[b, : len(tok) - 1] = torch.tensor(v[1:])
         levels = max(max(r[2]) for r in rows)
-        N = policy.size(values.clamp(min=0), levels) if C else 0
-        T = N + 1
+        # each request's own size (0: the root only; padding has value 0 and never pays)
+        kept = policy.sizes(values.clamp(min=0), levels) if C else torch.zeros(B, dtype=torch.long)
+        kept = torch.minimum(kept.cpu(), torch.tensor([len(r[0]) - 1 for r in rows]))
+        T = int(kept.max()) + 1
         tokens = torch.zeros(B, T, dtype=torch.long)
         parents = torch.full((B, T), -1, dtype=torch.int32)
         confidence = torch.ones(B, T)
         num_nodes = torch.ones(B, dtype=torch.int32)
         tokens[:, 0] = roots.cpu()
         for b, (tok, par, _, _) in enumerate(rows):
-            n = min(N, len(tok) - 1)
+            n = int(kept[b])
             if n == 0:
                 continue
             order = (
