@@ -17,6 +17,7 @@ _LAZY = {
     "EagleDrafter": "eagle",
     "NgramDrafter": "ngram",
     "MergedDrafter": "merged",
+    "DraftModelDrafter": "draft_model",
 }
 
 __all__ = sorted(_LAZY)
