@@ -21,8 +21,8 @@ from ..errors import InvalidRequestError
 from .common import add_model_placement_arguments, load_model_from_args
 
 RANDOM_HEAD_SEED = 0
-METHODS = ("plain", "eagle", "ngram", "eagle+ngram")
-NOT_YET = ("medusa", "draft")  # issue 12's other drafters
+METHODS = ("plain", "eagle", "ngram", "eagle+ngram", "draft")
+NOT_YET = ("medusa",)  # issue 12's other drafters
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser):
         choices=METHODS + NOT_YET,
         default="eagle",
         help="the drafter: plain (none), eagle (an EAGLE head), ngram (prompt lookup over the "
-        "request's own tokens), eagle+ngram (both in one merged tree) (default %(default)s)",
+        "request's own tokens), eagle+ngram (both in one merged tree), draft (a draft model, "
+        "--draft-model) (default %(default)s)",
     )
     p.add_argument(
         "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
@@ -70,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser):
         metavar="N",
         help="ngram: shortest suffix n-gram looked up (default %(default)s)",
     )
+    p.add_argument(
+        "--draft-model",
+        metavar="PATH|self:N",
+        help="draft: a .gguf file or HF checkpoint dir sharing the model's tokenizer, or self:N "
+        "(the model's first N layers with its final norm and LM head, weights shared)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
@@ -94,6 +101,8 @@ def run(args) -> int:
         raise InvalidRequestError(
             f"--method {args.method} is not implemented yet (available: {', '.join(METHODS)})"
         )
+    if args.method == "draft" and not args.draft_model:
+        raise InvalidRequestError("--method draft needs --draft-model PATH|self:N")
     prompts, rejected = read_prompts(args)  # rejected: {index: why} of prompts that cannot run
     tree = TreeSpec.parse(args.tree)
     drafter = None
@@ -125,6 +134,10 @@ def run(args) -> int:
         from ..drafters.merged import MergedDrafter
 
         drafter = MergedDrafter(EagleDrafter(head), drafter)
+    if args.method == "draft":
+        from ..drafters.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter.from_arg(args.draft_model, model)
     if drafter is None:
         from ..drafters import EagleDrafter, PlainDrafter
 
@@ -177,6 +190,8 @@ def run(args) -> int:
     )
     if args.method == "eagle+ngram":
         label = f"eagle+ngram:{args.ngram_min}-{args.ngram_max} {label}"
+    if args.method == "draft":
+        label = f"draft {drafter.label} {tree}"
     print(f"\n== {label}, batch size {args.batch_size} ==")
     print(stats.summary())
     return 1 if sink.failed else 0

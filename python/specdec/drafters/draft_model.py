@@ -35,7 +35,7 @@ import specdec_kernels.ops as ops
 from ..adaptive import CostModel
 from ..cache import PagedKVCache
 from ..drafting import TreeSpec, draft_distribution, sample_rows
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, ModelLoadError
 from ..model import AttentionMetadata, Transformer
 from .base import Drafter, Proposal
 
@@ -183,7 +183,10 @@ class DraftModelDrafter(Drafter):
         from ..loader import load_model
 
         w = target.tok_embeddings.weight
-        model, _ = load_model(spec, dtype=w.dtype, device=w.device)
+        try:
+            model, _ = load_model(spec, dtype=w.dtype, device=w.device)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"--draft-model {spec}: {e}") from None
         drafter = cls(model, label=spec)
         drafter.check_target(target)
         return drafter
