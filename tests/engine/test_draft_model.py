@@ -13,6 +13,7 @@ import torch
 from test_adaptive import CHEAP_VERIFY
 
 from specdec.config import ModelArgs
+from specdec.drafters.base import root_only
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
@@ -81,6 +82,29 @@ def test_target_as_its_own_draft_accepts_every_greedy_draft(model, plain, same_o
     # limit truncates the tree)
     assert hist[4] >= stats.target_forwards - len(PROMPTS)
     assert stats.mean_acceptance_length > 4.5
+
+
+class EveryOtherStepPlain(DraftModelDrafter):
+    """Proposes the root alone every other step without running the draft model, as the
+    engine does on adaptive mode's plain steps: the emitted tokens pile up as pending."""
+
+    steps = 0
+
+    def propose(self, slots, roots, sampling, policy=None):
+        self.steps += 1
+        if self.steps % 2:
+            return root_only(roots)
+        return super().propose(slots, roots, sampling, policy)
+
+
+def test_catch_up_after_plain_steps(model, plain):
+    """The target as its own draft still drafts perfectly after plain steps: the catch-up runs
+    every token emitted since the draft model last ran, in order."""
+    out, stats = run_draft(model, EveryOtherStepPlain(model), "chain:4", 3)
+    assert out == plain
+    hist = stats.first_rejection_hist
+    assert hist[0] + hist[4] >= stats.target_forwards - len(PROMPTS)  # plain or all accepted
+    assert hist[4] >= stats.target_forwards // 2 - len(PROMPTS)
 
 
 # ---------------------------------------------------------------------- exactness

@@ -70,12 +70,18 @@ class DraftNet:
         return list(seen.values())
 
     def new_cache(self, num_slots: int, max_seq_len: int, block_size: int) -> PagedKVCache:
-        w = self.tok_embeddings.weight
-        a = self.args
+        """One layer per draft layer (self:N: N layers of the target's KV width)."""
+        w, a = self.tok_embeddings.weight, self.args
         return PagedKVCache(
-            self.n_layers, a.n_kv_heads, a.head_dim, num_slots, max_seq_len, block_size,
-            w.dtype, w.device,
-        )  # fmt: skip
+            self.n_layers,
+            a.n_kv_heads,
+            a.head_dim,
+            num_slots,
+            max_seq_len,
+            block_size,
+            dtype=w.dtype,
+            device=w.device,
+        )
 
     def _run(self, tokens, cos, sin, meta):
         """tokens: long [B, M] -> final-norm hidden [B, M, dim]."""
