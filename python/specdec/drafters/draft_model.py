@@ -16,7 +16,8 @@ real user of the op: their KV was computed from exactly the tokens they follow, 
 a sequential pass would have written. The rest of the path (an accepted leaf that was never
 run, and always the target's bonus / correction token, which the draft model has not seen)
 is pending: the next propose runs it in one batched pass (_catch_up) before drafting, so the
-plain steps of adaptive mode cost no draft work at all.
+plain steps of adaptive mode cost no draft work at all (a new request's prompt is prefilled
+there too, at its first draft).
 
 Randomness as in specdec.drafting: `chain:K` drafts of sampled requests are *sampled* from
 the draft model's distribution under the request's temperature / top-k / top-p (with the
@@ -270,21 +271,22 @@ class DraftModelDrafter(Drafter):
             ) from None
         # per slot: tokens emitted but not yet run through the draft model (the root last)
         self.pending: dict[int, list[torch.Tensor]] = {}
+        self.prompts: dict[int, torch.Tensor] = {}  # per slot: the prompt, until prefilled
         # the last propose: (slots, draft-model tree node of each proposal node [B, T], -1
         # for nodes never run); commit() reads and clears it
         self._step: tuple[list, torch.Tensor] | None = None
 
     def start(self, slots, prompts, first_tokens, hidden, aux, ok) -> None:
-        """Prefills the draft model on each prompt; the first token is pending."""
+        """Queues each prompt for the draft model's prefill and the first token as pending
+        (both run by the first _catch_up: a request adaptive mode never drafts for costs no
+        draft work, not even the prefill)."""
         self.cache.reset(slots)
-        good = [b for b, g in enumerate(ok) if g]
         for b, slot in enumerate(slots.tolist()):
             self.pending.pop(slot, None)
+            self.prompts.pop(slot, None)
             if ok[b]:
+                self.prompts[slot] = prompts[b]
                 self.pending[slot] = [first_tokens[b : b + 1].long()]
-        if good:
-            rows = torch.tensor(good, device=slots.device)
-            self.net.prefill([prompts[b] for b in good], self.cache, slots[rows])
 
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
         root_logits = self._catch_up(slots)  # [B, V]: the draft model's next-token logits
@@ -337,7 +339,13 @@ class DraftModelDrafter(Drafter):
     # ------------------------------------------------------------------ catch-up
     def _catch_up(self, slots) -> torch.Tensor:
         """Runs the draft model over each slot's pending tokens (those emitted since it last
-        ran, the root last) in one batched pass -> logits after the root [B, V]."""
+        ran, the root last) in one batched pass -> logits after the root [B, V]. New
+        requests' prompts are prefilled first (causal attention, one request at a time)."""
+        new = [b for b, s in enumerate(slots.tolist()) if s in self.prompts]
+        if new:
+            rows = torch.tensor(new, device=slots.device)
+            prompts = [self.prompts.pop(int(slots[b])) for b in new]
+            self.net.prefill(prompts, self.cache, slots[rows])
         chunks = [torch.cat(self.pending.pop(s)) for s in slots.tolist()]
         counts = torch.tensor([len(c) for c in chunks], dtype=torch.int32, device=self.device)
         tokens = torch.nn.utils.rnn.pad_sequence(chunks, batch_first=True)
