@@ -125,6 +125,10 @@ class DrafterChoice:
             return NgramDrafter(max_n=self.ngram_max, min_n=self.ngram_min)
         if self.method == "eagle":
             return EagleDrafter(self.eagle_head(model, model_path))
+        if self.method == "draft":
+            from ..drafters.draft_model import DraftModelDrafter
+
+            return DraftModelDrafter.from_arg(self.draft_model, model)
         raise InvalidRequestError(f"--method {self.method} is not implemented yet")
 
     def eagle_head(self, model, model_path):

@@ -400,7 +400,8 @@ class DraftModelDrafter(Drafter):
     def _draft_dynamic(self, spec, cache, slots, roots, logits, sampling, policy=None):
         """EAGLE-2's tree (as drafting.draft_dynamic, with the draft model's logits): expand
         the TOPK best frontier nodes per level, keep the best TOTAL - 1 candidates (ranked by
-        cumulative log-prob, or by policy's predicted acceptance in adaptive mode). Candidates
+        cumulative log-prob, or by policy's predicted acceptance in adaptive mode, which sizes
+        each request's tree: T = the largest + 1, the smaller ones padded). Candidates
         are numbered level by level, so a stable descending sort ranks parents before their
         children: the kept ones are closed under ancestors and in topological order."""
         B, K, D, dev = roots.shape[0], spec.topk, spec.depth, roots.device
@@ -444,9 +445,11 @@ class DraftModelDrafter(Drafter):
         all_parents = torch.cat(cand_parents, 1)
         if policy is None:
             rank, N, T = torch.cat(cand_scores, 1), min(spec.total - 1, num_cand), spec.num_nodes
+            kept = torch.full((B,), N, dtype=torch.long, device=dev)
         else:
             rank = torch.cat(cand_values, 1)
-            N = policy.size(rank, levels)
+            kept = policy.sizes(rank, levels)  # [B]: each request's own size (0: the root only)
+            N = int(kept.max())
             T = N + 1
         order = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :N]  # [B, N]
         node_of = torch.zeros(B, num_cand, dtype=torch.long, device=dev)  # candidate -> node
@@ -454,20 +457,22 @@ class DraftModelDrafter(Drafter):
         parent_cand = all_parents.gather(1, order)
         tree_parent = torch.where(parent_cand < 0, 0, node_of.gather(1, parent_cand.clamp(min=0)))
 
+        # row b keeps its kept[b] best (a prefix of its ranking: closed under ancestors); the
+        # rest of its N columns is padding
+        real = torch.arange(1, N + 1, device=dev)[None] <= kept[:, None]  # [B, N]
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         parents = torch.full((B, T), -1, dtype=torch.int32, device=dev)
         fed = torch.full((B, T), -1, dtype=torch.long, device=dev)
         tokens[:, 0] = roots
         fed[:, 0] = 0
-        tokens[:, 1 : N + 1] = all_tokens.gather(1, order)
-        parents[:, 1 : N + 1] = tree_parent.to(torch.int32)
-        fed[:, 1 : N + 1] = cand_node.gather(1, order)
+        tokens[:, 1 : N + 1] = all_tokens.gather(1, order).masked_fill(~real, 0)
+        parents[:, 1 : N + 1] = tree_parent.to(torch.int32).masked_fill(~real, -1)
+        fed[:, 1 : N + 1] = cand_node.gather(1, order).masked_fill(~real, -1)
         confidence = None
         if policy is not None:  # the draft model's probability of each node given its parent
             confidence = torch.ones(B, T, device=dev)
             confidence[:, 1:] = torch.cat(cand_lp, 1).gather(1, order).float().exp()
-        num_nodes = torch.full((B,), N + 1, dtype=torch.int32, device=dev)
-        return Proposal(tokens, parents, num_nodes, None, confidence), fed
+        return Proposal(tokens, parents, (kept + 1).to(torch.int32), None, confidence), fed
 
 
 def _median_time(fn, repeats: int, device) -> float:
