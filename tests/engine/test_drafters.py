@@ -233,7 +233,7 @@ def test_cli_method_ngram(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--method", "medusa"], "--method medusa is not implemented yet"),
+        (["--method", "draft"], "--method draft is not implemented yet"),
         (["--method", "eagle+ngram"], "--method eagle+ngram is not implemented yet"),
         (
             ["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"],

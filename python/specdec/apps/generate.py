@@ -21,8 +21,8 @@ from ..errors import InvalidRequestError
 from .common import add_model_placement_arguments, load_model_from_args
 
 RANDOM_HEAD_SEED = 0
-METHODS = ("plain", "eagle", "ngram")
-NOT_YET = ("medusa", "draft", "eagle+ngram")  # issue 12's other drafters
+METHODS = ("plain", "eagle", "ngram", "medusa")
+NOT_YET = ("draft", "eagle+ngram")  # issue 12's other drafters
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -43,7 +43,12 @@ def add_arguments(p: argparse.ArgumentParser):
         choices=METHODS + NOT_YET,
         default="eagle",
         help="the drafter: plain (none), eagle (an EAGLE head), ngram (prompt lookup over the "
-        "request's own tokens) (default %(default)s)",
+        "request's own tokens), medusa (Medusa heads) (default %(default)s)",
+    )
+    p.add_argument(
+        "--medusa",
+        metavar="PATH",
+        help="Medusa heads directory (default: the model's shipped heads)",
     )
     p.add_argument(
         "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
@@ -116,6 +121,10 @@ def run(args) -> int:
         raise InvalidRequestError(join_errors(list(rejected.values())))
     model, tokenizer = load_model_from_args(args)
     head = load_eagle_head(args, model) if args.method == "eagle" else None
+    if args.method == "medusa":
+        from ..drafters.medusa import MedusaDrafter
+
+        drafter = MedusaDrafter(load_medusa_heads(args, model))
     if drafter is None:
         from ..drafters import EagleDrafter, PlainDrafter
 
@@ -163,9 +172,11 @@ def run(args) -> int:
         return 130
     finally:
         sink.close()
-    label = {"plain": "plain", "ngram": f"ngram:{args.ngram_min}-{args.ngram_max} {tree}"}.get(
-        args.method, f"eagle-{head.version} {tree}" if head is not None else ""
-    )
+    label = {
+        "plain": "plain",
+        "ngram": f"ngram:{args.ngram_min}-{args.ngram_max} {tree}",
+        "medusa": f"medusa {tree}",
+    }.get(args.method, f"eagle-{head.version} {tree}" if head is not None else "")
     print(f"\n== {label}, batch size {args.batch_size} ==")
     print(stats.summary())
     return 1 if sink.failed else 0
@@ -325,6 +336,21 @@ def load_eagle_head(args, model):
         file=sys.stderr,
     )
     return EagleHead.random(model, seed=RANDOM_HEAD_SEED)
+
+
+def load_medusa_heads(args, model):
+    from ..heads import shipped_medusa_path
+    from ..medusa import MedusaHeads, load_medusa
+
+    path = args.medusa or shipped_medusa_path(args.model)
+    if path:
+        return load_medusa(path, model)
+    print(
+        "specdec: warning: no Medusa heads given and none shipped for this model; using "
+        "randomly initialised heads (acceptance will be low)",
+        file=sys.stderr,
+    )
+    return MedusaHeads.random(model, seed=RANDOM_HEAD_SEED)
 
 
 def progress_bar(total: int):
