@@ -13,7 +13,9 @@ are worth at most their parent, so the set is closed under ancestors and comes o
 topological order), shared by the batch's rows. The accuracies start from the heads'
 measured held-out ones (config.json "head_accuracy", else a generic prior) and follow what
 the target emits: after each step the true tokens at depths 1 .. accepted + 1 are known, and
-the rank each head gave them is counted (decayed).
+the rank each head gave them is counted (decayed). (When sampling, the token at the first
+rejected depth is drawn from the residual distribution, which excludes the rejected drafts:
+that depth's accuracy is somewhat underestimated. It only sizes the tree, never exactness.)
 
 Trees (--tree): chain:D (top-1 of heads 1..D), dynamic:D,K,N (D heads, top-K each, N nodes
 with the root) and adaptive[:D,K,N]: the dynamic tree's paths as candidates, each node's
