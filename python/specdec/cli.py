@@ -23,7 +23,7 @@ SUBCOMMANDS = {
     "generate": ("specdec.apps.generate", "generate text, speculatively (EAGLE) or plainly"),
     "train-head": (
         "specdec.apps.train",
-        "train an EAGLE head by self-distillation on ShareGPT prompts",
+        "train an EAGLE head (or Medusa heads, --kind medusa) by self-distillation",
     ),
     "bench": (
         "specdec.apps.bench",

@@ -233,11 +233,11 @@ def test_cli_method_ngram(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--method", "medusa"], "--method medusa is not implemented yet"),
+        (["--method", "draft"], "--method draft needs --draft-model"),
         (["--method", "eagle+ngram", "--tree", "chain:4"], "needs a dynamic or adaptive --tree"),
         (
             ["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
-            "min_n (3) must be <= max_n (2)",
+            "--ngram-min (3) must be <= --ngram-max (2)",
         ),
     ],
 )

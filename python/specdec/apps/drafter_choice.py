@@ -115,6 +115,15 @@ class DrafterChoice:
             return f"ngram:{self.ngram_min}-{self.ngram_max}"
         return self.method
 
+    def check_tree(self, tree) -> None:
+        """Tree shapes a drafter cannot draft, refused before the model loads."""
+        from ..errors import InvalidTreeSpecError
+
+        if self.method == "eagle+ngram" and tree.kind == "chain":
+            raise InvalidTreeSpecError(
+                f"--method eagle+ngram needs a dynamic or adaptive --tree, got {tree}"
+            )
+
     def build(self, model, model_path: str | None = None):
         """-> the Drafter for model (model_path: the target's path, to find shipped heads)."""
         from ..drafters import EagleDrafter, NgramDrafter, PlainDrafter
@@ -125,11 +134,47 @@ class DrafterChoice:
             return NgramDrafter(max_n=self.ngram_max, min_n=self.ngram_min)
         if self.method == "eagle":
             return EagleDrafter(self.eagle_head(model, model_path))
+        if self.method == "eagle+ngram":
+            from ..drafters.merged import MergedDrafter
+
+            return MergedDrafter(
+                EagleDrafter(self.eagle_head(model, model_path)),
+                NgramDrafter(max_n=self.ngram_max, min_n=self.ngram_min),
+            )
+        if self.method == "medusa":
+            from ..drafters.medusa import MedusaDrafter
+
+            return MedusaDrafter(self.medusa_heads(model, model_path))
         if self.method == "draft":
             from ..drafters.draft_model import DraftModelDrafter
 
             return DraftModelDrafter.from_arg(self.draft_model, model)
-        raise InvalidRequestError(f"--method {self.method} is not implemented yet")
+        raise InvalidRequestError(f"--method {self.method} is not implemented")
+
+    def label(self, drafter) -> str:
+        """What a run's summary calls the drafter: eagle-2, ngram:1-4, draft self:8, ..."""
+        head = getattr(drafter, "head", None)
+        if self.method == "eagle":
+            return f"eagle-{head.version}"
+        if self.method == "eagle+ngram":
+            return f"eagle+ngram:{self.ngram_min}-{self.ngram_max}"
+        if self.method == "draft":
+            return f"draft {drafter.label}"
+        return self.name
+
+    def medusa_heads(self, model, model_path):
+        from ..heads import shipped_medusa_path
+        from ..medusa import MedusaHeads, load_medusa
+
+        path = self.medusa or shipped_medusa_path(model_path)
+        if path:
+            return load_medusa(path, model)
+        print(
+            "specdec: warning: no Medusa heads given and none shipped for this model; using "
+            "randomly initialised heads (acceptance will be low)",
+            file=sys.stderr,
+        )
+        return MedusaHeads.random(model, seed=RANDOM_HEAD_SEED)
 
     def eagle_head(self, model, model_path):
         from ..eagle import EagleHead, load_head

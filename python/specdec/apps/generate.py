@@ -19,10 +19,7 @@ import sys
 from ..drafting import TreeSpec
 from ..errors import InvalidRequestError
 from .common import add_model_placement_arguments, load_model_from_args
-
-RANDOM_HEAD_SEED = 0
-METHODS = ("plain", "eagle", "ngram", "eagle+ngram", "draft")
-NOT_YET = ("medusa",)  # issue 12's other drafters
+from .drafter_choice import DrafterChoice, add_drafter_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -38,17 +35,7 @@ def add_arguments(p: argparse.ArgumentParser):
         help="a .gguf file or HF checkpoint dir (default: SmolLM2-135M-Instruct)",
     )
     add_model_placement_arguments(p)
-    p.add_argument(
-        "--method",
-        choices=METHODS + NOT_YET,
-        default="eagle",
-        help="the drafter: plain (none), eagle (an EAGLE head), ngram (prompt lookup over the "
-        "request's own tokens), eagle+ngram (both in one merged tree), draft (a draft model, "
-        "--draft-model) (default %(default)s)",
-    )
-    p.add_argument(
-        "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
-    )
+    add_drafter_arguments(p)
     p.add_argument(
         "--tree",
         default="adaptive",
@@ -56,26 +43,6 @@ def add_arguments(p: argparse.ArgumentParser):
         "%(default)s: "
         "depth and size chosen each step from this machine's measured costs); for ngram, TOPK "
         "bounds the branches (earlier occurrences of the matched n-gram)",
-    )
-    p.add_argument(
-        "--ngram-max",
-        type=int,
-        default=4,
-        metavar="N",
-        help="ngram: longest suffix n-gram looked up (default %(default)s)",
-    )
-    p.add_argument(
-        "--ngram-min",
-        type=int,
-        default=1,
-        metavar="N",
-        help="ngram: shortest suffix n-gram looked up (default %(default)s)",
-    )
-    p.add_argument(
-        "--draft-model",
-        metavar="PATH|self:N",
-        help="draft: a .gguf file or HF checkpoint dir sharing the model's tokenizer, or self:N "
-        "(the model's first N layers with its final norm and LM head, weights shared)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
@@ -97,23 +64,10 @@ def run(args) -> int:
     from ..engine import Engine, Request, SamplingParams, join_errors
 
     # everything checkable without the model first: bad flags fail fast
-    if args.method in NOT_YET:
-        raise InvalidRequestError(
-            f"--method {args.method} is not implemented yet (available: {', '.join(METHODS)})"
-        )
-    if args.method == "draft" and not args.draft_model:
-        raise InvalidRequestError("--method draft needs --draft-model PATH|self:N")
+    choice = DrafterChoice.from_args(args)
     prompts, rejected = read_prompts(args)  # rejected: {index: why} of prompts that cannot run
     tree = TreeSpec.parse(args.tree)
-    drafter = None
-    if args.method in ("ngram", "eagle+ngram"):
-        from ..drafters.ngram import NgramDrafter
-
-        drafter = NgramDrafter(max_n=args.ngram_max, min_n=args.ngram_min)
-    if args.method == "eagle+ngram" and tree.kind == "chain":
-        raise InvalidRequestError(
-            f"--method eagle+ngram needs a dynamic or adaptive --tree, got {tree}"
-        )
+    choice.check_tree(tree)
     params = [
         SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i, args.max_new_tokens)
         for i in range(len(prompts))
@@ -128,20 +82,7 @@ def run(args) -> int:
     if len(rejected) == len(prompts):
         raise InvalidRequestError(join_errors(list(rejected.values())))
     model, tokenizer = load_model_from_args(args)
-    head = load_eagle_head(args, model) if args.method in ("eagle", "eagle+ngram") else None
-    if args.method == "eagle+ngram":
-        from ..drafters import EagleDrafter
-        from ..drafters.merged import MergedDrafter
-
-        drafter = MergedDrafter(EagleDrafter(head), drafter)
-    if args.method == "draft":
-        from ..drafters.draft_model import DraftModelDrafter
-
-        drafter = DraftModelDrafter.from_arg(args.draft_model, model)
-    if drafter is None:
-        from ..drafters import EagleDrafter, PlainDrafter
-
-        drafter = EagleDrafter(head) if head is not None else PlainDrafter()
+    drafter = choice.build(model, args.model)
     requests = {}
     for i, (text, p) in enumerate(zip(prompts, params)):
         if i not in rejected:
@@ -185,13 +126,7 @@ def run(args) -> int:
         return 130
     finally:
         sink.close()
-    label = {"plain": "plain", "ngram": f"ngram:{args.ngram_min}-{args.ngram_max} {tree}"}.get(
-        args.method, f"eagle-{head.version} {tree}" if head is not None else ""
-    )
-    if args.method == "eagle+ngram":
-        label = f"eagle+ngram:{args.ngram_min}-{args.ngram_max} {label}"
-    if args.method == "draft":
-        label = f"draft {drafter.label} {tree}"
+    label = f"{choice.label(drafter)} {tree}" if choice.method != "plain" else "plain"
     print(f"\n== {label}, batch size {args.batch_size} ==")
     print(stats.summary())
     return 1 if sink.failed else 0
@@ -334,23 +269,6 @@ def encode(tokenizer, text: str, chat_template: bool) -> list:
         Exception
     ) as e:  # a chat template's raise_exception (jinja2 TemplateError), tokenizer errors
         raise InvalidRequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
-
-
-def load_eagle_head(args, model):
-    from ..eagle import EagleHead, load_head
-    from ..heads import shipped_head_path
-
-    path = args.head or shipped_head_path(args.model)
-    if path:
-        return load_head(path, model)
-    # Models without a shipped head: a seeded random head keeps the speculative path
-    # runnable end to end (acceptance length ~1).
-    print(
-        "specdec: warning: no EAGLE head given and none shipped for this model; using a randomly "
-        "initialised head (acceptance will be low)",
-        file=sys.stderr,
-    )
-    return EagleHead.random(model, seed=RANDOM_HEAD_SEED)
 
 
 def progress_bar(total: int):

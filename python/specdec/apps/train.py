@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 import specdec_kernels.ops as ops
 
 from ..errors import InvalidRequestError
+from .train_utils import CHECKPOINT, _bar, _checkpoint, _resume, _smooth, frequent_tokens
 
 MANIFEST = "manifest.json"
 
@@ -193,16 +194,7 @@ def load_shards(data_dir: str, paths: list | None = None) -> list:
     return seqs
 
 
-def _bar(total, desc, unit, enabled):
-    if not enabled or total == 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
-
-
 # ---------------------------------------------------------------------- training
-CHECKPOINT = "checkpoint.pt"
 FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's v_w / p_w
 
 
@@ -433,25 +425,6 @@ def train_head(
     return log
 
 
-def frequent_tokens(seqs: list, n: int) -> torch.Tensor:
-    """The n most frequent generated token ids of the sequences (ties: lower id), sorted:
-    the draft vocabulary (as EAGLE-3 picks its d2t from the training data)."""
-    counts = torch.bincount(torch.cat([t[p:].long() for t, _, p in seqs]))
-    n = min(n, int((counts > 0).sum()))
-    return torch.sort(torch.argsort(-counts, stable=True)[:n]).values
-
-
-def _smooth(running: dict | None, rec: dict) -> dict:
-    """Exponential moving average of a step record (lists element-wise), for the progress bar."""
-    if running is None:
-        return dict(rec)
-    mix = lambda a, b: 0.9 * a + 0.1 * b  # noqa: E731
-    return {
-        k: [mix(a, b) for a, b in zip(running[k], v)] if isinstance(v, list) else mix(running[k], v)
-        for k, v in rec.items()
-    }
-
-
 @torch.no_grad()
 def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
     """Teacher-forced depth-1 metrics on held-out sequences, over the full vocabulary:
@@ -466,30 +439,6 @@ def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
         hits += (head.logits(pred).argmax(-1) == labels[mask]).sum().item()
         n += len(pred)
     return {"feature_loss": round(fl / n, 4), "top1": round(hits / n, 4), "positions": n}
-
-
-def _checkpoint(path, head, opt, sched, step):
-    tmp = path + ".tmp"
-    torch.save(
-        {
-            "head": head.state_dict(),
-            "opt": opt.state_dict(),
-            "sched": sched.state_dict(),
-            "step": step,
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
-
-
-def _resume(path, head, opt, sched) -> int:
-    if not os.path.exists(path):
-        return 0
-    ck = torch.load(path, map_location="cpu", weights_only=True)
-    head.load_state_dict(ck["head"])
-    opt.load_state_dict(ck["opt"])
-    sched.load_state_dict(ck["sched"])
-    return ck["step"]
 
 
 # ---------------------------------------------------------------------- command line
@@ -507,6 +456,22 @@ def add_arguments(p):
         "--data-dir", metavar="DIR", help="self-distillation shards (default: OUTPUT/data)"
     )
     p.add_argument("--stage", choices=("all", "generate", "train"), default="all")
+    p.add_argument(
+        "--kind",
+        choices=("eagle", "medusa"),
+        default="eagle",
+        help="what to train: an EAGLE-2 head (default) or Medusa-1 heads (same data)",
+    )
+    p.add_argument(
+        "--medusa-heads", type=int, default=4, metavar="K", help="medusa: heads (default 4)"
+    )
+    p.add_argument(
+        "--medusa-layers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="medusa: residual blocks per head (default 1)",
+    )
     p.add_argument("--num-prompts", type=int, default=2048, help="ShareGPT prompts to answer")
     p.add_argument(
         "--max-prompt-tokens", type=int, default=128, help="longer (templated) prompts are skipped"
@@ -609,6 +574,27 @@ def run(args) -> int:
                 f"{data_dir} has {len(shards)} shards: too few to hold {args.val_shards} out"
             )
         cut = len(shards) - args.val_shards
+        if args.kind == "medusa":
+            from .train_medusa import train_medusa
+
+            train_medusa(
+                model,
+                load_shards(data_dir, shards[:cut]),
+                args.output,
+                num_heads=args.medusa_heads,
+                num_layers=args.medusa_layers,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                full_vocab_ce=args.full_vocab_ce,
+                draft_vocab=args.draft_vocab,
+                checkpoint_every=args.checkpoint_every,
+                save_dtype=getattr(torch, args.dtype),
+                seed=args.seed,
+                progress=progress,
+                val_seqs=load_shards(data_dir, shards[cut:]),
+            )
+            return 0
         train_head(
             model,
             load_shards(data_dir, shards[:cut]),

@@ -1,6 +1,6 @@
 """Drafters: what proposes each step's draft tree to the engine (specdec.engine).
 
-    from specdec.drafters import PlainDrafter, EagleDrafter, NgramDrafter, MergedDrafter
+    from specdec.drafters import PlainDrafter, EagleDrafter, NgramDrafter, MedusaDrafter
     engine = Engine(model, tok, drafter=NgramDrafter(max_n=4, min_n=1), tree="chain:6")
 
 base.py holds the interface (`Drafter`, `Proposal`); one module per drafter. Names are
@@ -18,6 +18,7 @@ _LAZY = {
     "NgramDrafter": "ngram",
     "MergedDrafter": "merged",
     "DraftModelDrafter": "draft_model",
+    "MedusaDrafter": "medusa",
 }
 
 __all__ = sorted(_LAZY)

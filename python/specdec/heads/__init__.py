@@ -1,8 +1,9 @@
-"""EAGLE heads shipped with the package (package data), one directory per target model."""
+"""EAGLE and Medusa heads shipped with the package (package data), a directory per target."""
 
 import os
 
 DEFAULT_HEAD = "smollm2-135m-instruct"  # trained for the default model (see its CARD.md)
+DEFAULT_MEDUSA = "smollm2-135m-instruct-medusa"  # Medusa heads for it (see its CARD.md)
 
 
 def shipped_head_path(model_path: str | None = None) -> str | None:
@@ -11,4 +12,12 @@ def shipped_head_path(model_path: str | None = None) -> str | None:
     if model_path is not None:
         return None
     path = os.path.join(os.path.dirname(__file__), DEFAULT_HEAD)
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def shipped_medusa_path(model_path: str | None = None) -> str | None:
+    """The shipped Medusa heads directory for a target (as shipped_head_path)."""
+    if model_path is not None:
+        return None
+    path = os.path.join(os.path.dirname(__file__), DEFAULT_MEDUSA)
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
