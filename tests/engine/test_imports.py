@@ -128,7 +128,12 @@ def test_subcommands_load_lazily():
         "specdec.cli",
         "specdec.errors",
     ]  # no torch for `specdec --help`
-    assert eval(after_parse) == ["specdec.apps", "specdec.apps.common", "specdec.apps.generate"]
+    assert eval(after_parse) == [
+        "specdec.apps",
+        "specdec.apps.common",
+        "specdec.apps.drafter_choice",
+        "specdec.apps.generate",
+    ]
 
 
 def test_module_entry_points():

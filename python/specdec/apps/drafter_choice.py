@@ -95,7 +95,7 @@ class DrafterChoice:
                 f"--method {self.method!r} is not one of {', '.join(METHODS)}"
             )
         if self.method == "draft" and not self.draft_model:
-            raise InvalidRequestError("--method draft needs --draft-model PATH or self:N")
+            raise InvalidRequestError("--method draft needs --draft-model PATH|self:N")
         if self.method in ("ngram", "eagle+ngram"):
             for flag, v in (("--ngram-max", self.ngram_max), ("--ngram-min", self.ngram_min)):
                 if v < 1:
