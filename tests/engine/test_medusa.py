@@ -236,3 +236,27 @@ def test_cli_train_kind_medusa(target, data_dir, tmp_path, monkeypatch):  # noqa
          "--dtype", "float32", "--no-progress"]
     )  # fmt: skip
     assert load_medusa(out, target).num_heads == 3
+
+
+# ---------------------------------------------------------------------- the shipped heads
+@pytest.mark.slow
+def test_shipped_heads_draft_for_the_default_model():
+    """The packaged heads load for the default model (through the CLI's default), stay small,
+    and float32 greedy decoding with them is plain decoding, with drafts accepted."""
+    from specdec.heads import shipped_medusa_path
+    from specdec.loader import load_model
+
+    path = shipped_medusa_path()
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 10 * 2**20
+    model, tok = load_model()
+    heads = load_medusa(path, model)
+    assert heads.num_heads == 4 and heads.draft_vocab_size < model.args.vocab_size
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "List three facts about the moon, one per line."}]
+    )
+    params = SamplingParams(max_new_tokens=32)
+    plain, _ = Engine(model, tok, max_seq_len=256).generate([Request(ids, params)])
+    eng = Engine(model, tok, drafter=MedusaDrafter(heads), tree="dynamic:4,4,16", max_seq_len=256)
+    out, stats = eng.generate([Request(ids, params)])
+    assert out[0].token_ids == plain[0].token_ids
+    assert stats.mean_acceptance_length > 1.2

@@ -4,6 +4,7 @@ plainly.
     specdec generate --prompt "Why is the sky blue?"            # default model + its EAGLE head
     specdec generate --prompts in.jsonl --output out.jsonl --method plain --batch-size 4
     specdec generate --prompts edits.jsonl --method ngram --ngram-max 4 --ngram-min 2 --tree chain:8
+    specdec generate --prompt "Why is the sky blue?" --method medusa --tree dynamic:4,4,16
 
 Bad input of any kind is a SpecdecError (the CLI prints one line, exit code 2). A request that
 fails on its own (an invalid prompt among valid ones, NaN logits) is one stderr line and a row
