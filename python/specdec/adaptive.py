@@ -20,8 +20,9 @@ temperature, an untrained head) gets its ratio pulled down by what is actually a
 Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target forward):
  1. plain or speculative: when the recent speculative rate (the recent steps' mean tokens
     per predicted second of their mean tree at the live occupancy), even at its upper
-    confidence bound (few steps: a wide one), is below plain decoding's
-    1 / verify(1), the step is plain (no drafting at all); a probe
+    confidence bound (few steps: a wide one; the steps' weight decays with every step,
+    plain ones too, so the bound widens again while speculation goes untried), is below
+    plain decoding's 1 / verify(1), the step is plain (no drafting at all); a probe
     step every `probe` plain steps keeps the statistics fresh, and the probe interval doubles
     (up to MAX_PROBE) while probes lose;
  2. depth: another draft level is drafted only while its best case raises E / time;
@@ -294,6 +295,14 @@ class Policy:
         if self.spec_rate_bound() >= self.plain_rate():
             self.plain_streak, self.probe = 0, MIN_PROBE
             return True
+        # evidence ages with every step, plain ones too: the means stay, their weight
+        # shrinks, so the bound widens while speculation goes untried and it is tried again
+        # (the probes remain a floor on how often)
+        self.spec_steps *= DECAY
+        self.spec_tokens *= DECAY
+        self.spec_tokens_sq *= DECAY
+        self.spec_levels *= DECAY
+        self.spec_nodes *= DECAY
         self.plain_streak += 1
         if self.plain_streak >= self.probe:
             self.plain_streak, self.probe = 0, min(2 * self.probe, MAX_PROBE)
