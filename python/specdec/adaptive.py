@@ -397,7 +397,11 @@ class Policy:
         if not self.per_request:
             n = self.best(self.prefix_values(values), levels)[1]
             return torch.full((B,), n, dtype=torch.long, device=values.device)
-        if self.slots is not None and len(self.slots) == B:  # each request's own record
+        # each request's own record, against the others': a lone request's record would
+        # count the shared statistics' own evidence twice (a few rejected drafts pushed its
+        # values below what a 1-node tree needs, those steps verified nothing, and nothing
+        # new was learnt)
+        if self.slots is not None and len(self.slots) == B and B > 1:
             f = torch.tensor([self.request_factor(s) for s in self.slots], device=values.device)
             values = (values * f[:, None].to(values.dtype)).clamp(max=1.0)
         M = self.best(self.prefix_values(values), levels, rows=B)[1]
