@@ -19,8 +19,10 @@ temperature, an untrained head) gets its ratio pulled down by what is actually a
 
 Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target forward):
  1. plain or speculative: when the recent speculative rate (the recent steps' mean tokens
-    per predicted second of their mean tree at the live occupancy) is below plain decoding's
-    1 / verify(1), the step is plain (no drafting at all); a probe
+    per predicted second of their mean tree at the live occupancy), even at its upper
+    confidence bound (few steps: a wide one; the steps' weight decays with every step,
+    plain ones too, so the bound widens again while speculation goes untried), is below
+    plain decoding's 1 / verify(1), the step is plain (no drafting at all); a probe
     step every `probe` plain steps keeps the statistics fresh, and the probe interval doubles
     (up to MAX_PROBE) while probes lose;
  2. depth: another draft level is drafted only while its best case raises E / time;
@@ -52,6 +54,12 @@ from .drafting import TreeSpec, draft_dynamic
 DECAY = 0.97  # per step: the statistics cover roughly the last 30 steps
 PRIOR = 2.0  # pseudo-count of confidence behind the initial ratio 1 (trust the head at first)
 MIN_PROBE, MAX_PROBE = 4, 64
+# plain or speculative: speculation's recent tokens per step are a mean over few, noisy steps
+# (a step accepts 0 or 1+ drafts); the decision uses its upper confidence bound, mean +
+# UCB_Z standard errors, so a few unlucky first steps cannot price speculation out for good
+# (only evidence can). The variance has a prior of TOKENS_VAR_PRIOR (a coin flip between 0
+# and 1 accepted drafts) behind one pseudo-step, so one step alone is not taken as certain.
+UCB_Z, TOKENS_VAR_PRIOR = 1.0, 0.25
 # per request: pseudo-count of expected acceptances behind its factor 1 (a new request is
 # trusted to behave as the shared statistics predict)
 REQUEST_PRIOR = 1.0
@@ -241,6 +249,7 @@ class Policy:
         self.confidence = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
         # decayed sums over speculative steps: steps, tokens per request, draft levels, nodes
         self.spec_steps = self.spec_tokens = self.spec_levels = self.spec_nodes = 0.0
+        self.spec_tokens_sq = 0.0  # decayed sum of squared tokens per step (their spread)
         self.plain_streak, self.probe = 0, MIN_PROBE
         self.levels = 0  # draft levels of the current step
         self.batch = (
@@ -270,10 +279,30 @@ class Policy:
         )
         return self.spec_tokens / n / step_s
 
+    def spec_rate_bound(self) -> float:
+        """spec_rate with the mean tokens per step raised by UCB_Z standard errors (their
+        decayed spread, TOKENS_VAR_PRIOR behind one pseudo-step): what speculation may still
+        be earning given how few steps it was tried on."""
+        if not self.spec_steps:
+            return float("inf")
+        n = self.spec_steps
+        mean = self.spec_tokens / n
+        var = max(self.spec_tokens_sq / n - mean * mean, 0.0)
+        var = (n * var + TOKENS_VAR_PRIOR) / (n + 1.0)
+        return self.spec_rate() * (1.0 + UCB_Z * (var / n) ** 0.5 / mean)
+
     def speculate(self) -> bool:
-        if self.spec_rate() >= self.plain_rate():
+        if self.spec_rate_bound() >= self.plain_rate():
             self.plain_streak, self.probe = 0, MIN_PROBE
             return True
+        # evidence ages with every step, plain ones too: the means stay, their weight
+        # shrinks, so the bound widens while speculation goes untried and it is tried again
+        # (the probes remain a floor on how often)
+        self.spec_steps *= DECAY
+        self.spec_tokens *= DECAY
+        self.spec_tokens_sq *= DECAY
+        self.spec_levels *= DECAY
+        self.spec_nodes *= DECAY
         self.plain_streak += 1
         if self.plain_streak >= self.probe:
             self.plain_streak, self.probe = 0, min(2 * self.probe, MAX_PROBE)
@@ -368,7 +397,11 @@ class Policy:
         if not self.per_request:
             n = self.best(self.prefix_values(values), levels)[1]
             return torch.full((B,), n, dtype=torch.long, device=values.device)
-        if self.slots is not None and len(self.slots) == B:  # each request's own record
+        # each request's own record, against the others': a lone request's record would
+        # count the shared statistics' own evidence twice (a few rejected drafts pushed its
+        # values below what a 1-node tree needs, those steps verified nothing, and nothing
+        # new was learnt)
+        if self.slots is not None and len(self.slots) == B and B > 1:
             f = torch.tensor([self.request_factor(s) for s in self.slots], device=values.device)
             values = (values * f[:, None].to(values.dtype)).clamp(max=1.0)
         M = self.best(self.prefix_values(values), levels, rows=B)[1]
@@ -416,6 +449,7 @@ class Policy:
         tokens = float((num_accepted.double() + 1).mean())
         self.spec_steps = DECAY * self.spec_steps + 1.0
         self.spec_tokens = DECAY * self.spec_tokens + tokens
+        self.spec_tokens_sq = DECAY * self.spec_tokens_sq + tokens * tokens
         self.spec_levels = DECAY * self.spec_levels + self.levels
         # the step's verify cost: of the padded size, or per request of the mean real size
         # (the forward computes the real nodes only)

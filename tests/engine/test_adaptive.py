@@ -305,3 +305,81 @@ def test_policy_learns_each_requests_record():
     assert sizes[0] > sizes[1]
     p.start([1])
     assert p.request_factor(1) == 1.0
+
+
+# float32 SmolLM2-135M on 2 shared CPU cores (seconds): a 2-node verify costs 6% more than a
+# plain step, 4 nodes a steep 65% more; each further draft level a head pass over 8 nodes
+STEEP = CostModel(
+    1,
+    [1, 2, 4, 8, 16, 32],
+    [0.079, 0.084, 0.130, 0.166, 0.165, 0.194],
+    [0.0014, 0.0077, 0.0139, 0.0197, 0.0256, 0.0319],
+)
+
+
+def simulate(policy, confidence, accepts, steps: int):
+    """Drives policy for `steps` steps of a head whose best draft on step i has confidence(i)
+    and, if verified, is accepted iff accepts(i). -> (speculative steps, their sizes, the
+    run's tokens per second by the cost model over plain decoding's)."""
+    K = policy.spec.topk
+    spec_steps, sizes, tokens, seconds = 0, [], 0, 0.0
+    for i in range(steps):
+        if not policy.speculate():
+            tokens, seconds = tokens + 1, seconds + policy.cost.verify(1)
+            continue
+        c = confidence(i)
+        probs = torch.tensor([c] + [0.005] * (K - 1))  # the rest of the mass: a long tail
+        v = policy.node_value(None, probs.log()[None], depth=1)
+        assert not policy.expand(1, v, v)  # a second level (7.7 ms) never pays here
+        n = int(policy.sizes(v, 1)[0])
+        sizes.append(n)
+        ok = n > 0 and accepts(i)
+        d = type(
+            "D",
+            (),
+            dict(
+                tokens=torch.tensor([[5, 6]])[:, : n + 1],
+                parents=torch.tensor([[-1, 0]], dtype=torch.int32)[:, : n + 1],
+                num_nodes=torch.tensor([n + 1], dtype=torch.int32),
+                confidence=torch.tensor([[1.0, c]])[:, : n + 1],
+            ),
+        )()
+        policy.observe(
+            d,
+            torch.tensor([[0, 1]])[:, : n + 1],
+            torch.tensor([[0, 1 if ok else -1]])[:, : n + 1],
+            torch.tensor([int(ok)]),
+            slots=[0],
+        )
+        spec_steps += 1
+        tokens += 1 + ok
+        seconds += policy.cost.draft(1) + policy.cost.verify(n + 1)
+    return spec_steps, sizes, tokens / seconds * policy.cost.verify(1)
+
+
+def test_policy_speculates_with_a_small_tree_despite_unlucky_probes():
+    """Every other step the head is sure (0.7, accepted 2 times in 3), in between unsure
+    (0.02: verify the root alone). Speculating earns (1.67 + 1) tokens per (85.4 + 80.4) ms,
+    26% above plain's 1 / 79 ms; bigger trees do not pay. The first step is an unsure one,
+    and so is every probe after it (their intervals are even): judged by those steps alone,
+    speculation looked no better than plain and the policy decoded plainly for good."""
+    p = Policy(STEEP, TreeSpec.parse("adaptive"))
+    p.batch, p.slots = 1, [0]
+    spec_steps, sizes, speedup = simulate(
+        p, lambda i: 0.02 if i % 2 == 0 else 0.7, lambda i: i % 6 != 1, 200
+    )
+    assert spec_steps >= 0.9 * 200 and speedup > 1.2
+    assert set(sizes) == {0, 1}
+    assert p.spec_rate() > p.plain_rate()
+
+
+@pytest.mark.parametrize("accepted_every", [20, 0])
+def test_policy_loses_little_when_speculation_does_not_pay(accepted_every):
+    """The same costs, a sure-looking head (0.5) accepted 5% of the time or never: 1-node
+    trees lose to plain. Trying speculation again as the evidence ages costs little: the
+    run stays within 3% of plain decoding."""
+    p = Policy(STEEP, TreeSpec.parse("adaptive"))
+    p.batch, p.slots = 1, [0]
+    accepts = lambda i: accepted_every and i % accepted_every == accepted_every - 1  # noqa: E731
+    _, _, speedup = simulate(p, lambda i: 0.5, accepts, 400)
+    assert speedup > 0.97
