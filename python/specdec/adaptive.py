@@ -178,7 +178,7 @@ class CostModel:
                 break
 
         if head is None:
-            return cls(B, sizes[: len(verify_s)], verify_s, [0.0] * spec.depth)
+            return cls(B, sizes[: len(verify_s)], monotone(verify_s), [0.0] * spec.depth)
         head_cache = head.new_cache(B, context + spec.head_nodes)
         head_cache.cache_lens.fill_(context)
         hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
@@ -198,7 +198,20 @@ class CostModel:
             )
             for levels in range(1, spec.depth + 1)
         ]
-        return cls(B, sizes[: len(verify_s)], verify_s, draft_s)
+        return cls(B, sizes[: len(verify_s)], monotone(verify_s), monotone(draft_s))
+
+
+def monotone(ys: list) -> list:
+    """The least-squares non-decreasing fit of ys (pool adjacent violators): a bigger tree or
+    one more draft level never costs less, so a measured dip is timing noise, and trusting it
+    would make the policy pick the size that happened to be timed during a quiet moment."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def _verify(xs, ys, T) -> float:

@@ -383,3 +383,20 @@ def test_policy_loses_little_when_speculation_does_not_pay(accepted_every):
     accepts = lambda i: accepted_every and i % accepted_every == accepted_every - 1  # noqa: E731
     _, _, speedup = simulate(p, lambda i: 0.5, accepts, 400)
     assert speedup > 0.97
+
+
+def test_measured_costs_are_made_non_decreasing():
+    """A measured dip (verify(16) < verify(8), as timed under load) is pooled away: the policy
+    never sees a bigger tree as cheaper; already monotone curves are unchanged."""
+    from specdec.adaptive import monotone
+
+    assert monotone([79.0, 84.0, 130.0, 170.0, 165.0, 199.0]) == [
+        79.0,
+        84.0,
+        130.0,
+        167.5,
+        167.5,
+        199.0,
+    ]
+    assert monotone([159.0, 137.0, 140.0]) == pytest.approx([145.333, 145.333, 145.333], abs=1e-3)
+    assert monotone([1.0, 2.0, 2.0, 3.0]) == [1.0, 2.0, 2.0, 3.0] and monotone([]) == []
