@@ -173,7 +173,7 @@ class CostModel:
                 mask, depth = ops.build_tree_mask(parents, num_nodes)
                 model(tokens, cache, slots, num_nodes, mask, depth, feature_layers)
 
-            verify_s.append(_median_time(verify, repeats, dev))
+            verify_s.append(median_time(verify, repeats, dev))
             if verify_s[-1] > (spec.depth + 1) * verify_s[0]:
                 break
 
@@ -184,7 +184,7 @@ class CostModel:
         hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
         roots = torch.zeros(B, dtype=torch.long, device=dev)
         draft_s = [
-            _median_time(
+            median_time(
                 lambda levels=levels: draft_dynamic(
                     TreeSpec("dynamic", levels, spec.topk, spec.total),
                     head,
@@ -237,7 +237,9 @@ def _draft(draft_s, levels) -> float:
     return draft_s[-1] + step * (levels - len(draft_s))
 
 
-def _median_time(fn, repeats: int, device) -> float:
+def median_time(fn, repeats: int, device) -> float:
+    """Seconds of fn(): the median of `repeats` timed calls after one warm-up call (CUDA
+    synchronised around each, so it is the device's time); the cost models' one timer."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):

@@ -57,7 +57,7 @@ def test_cost_model_measure_stops_where_a_tree_cannot_pay(monkeypatch):
         first = fn.__defaults__[0]  # verify binds its tokens [B, T], a draft its levels
         return float(first.shape[1]) if isinstance(first, torch.Tensor) else 0.5
 
-    monkeypatch.setattr(adaptive, "_median_time", fake_median_time)
+    monkeypatch.setattr(adaptive, "median_time", fake_median_time)
     model = tiny_model()
     cost = CostModel.measure(model, EagleHead.random(model, seed=0), SPEC, batch_size=2, repeats=1)
     assert cost.verify_tokens == [1, 2, 4, 8] and cost.verify_s == [1.0, 2.0, 4.0, 8.0]

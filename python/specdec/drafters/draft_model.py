@@ -27,13 +27,12 @@ deterministic, so draft_probs=None (point masses).
 """
 
 import re
-import time
 
 import torch
 
 import specdec_kernels.ops as ops
 
-from ..adaptive import CostModel
+from ..adaptive import CostModel, median_time
 from ..cache import PagedKVCache
 from ..drafting import TreeSpec, draft_distribution, sample_rows
 from ..errors import InvalidRequestError, ModelLoadError
@@ -255,7 +254,7 @@ class DraftModelDrafter(Drafter):
                 logits = self._feed(slots, cache, pending, torch.full((B,), 2, device=dev))
                 self._draft_dynamic(spec, cache, slots, pending[:, -1], logits, sampling)
 
-            out.append(_median_time(step, repeats, dev))
+            out.append(median_time(step, repeats, dev))
         return out
 
     # ------------------------------------------------------------------ per run
@@ -473,17 +472,3 @@ class DraftModelDrafter(Drafter):
             confidence = torch.ones(B, T, device=dev)
             confidence[:, 1:] = torch.cat(cand_lp, 1).gather(1, order).float().exp()
         return Proposal(tokens, parents, (kept + 1).to(torch.int32), None, confidence), fed
-
-
-def _median_time(fn, repeats: int, device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]

@@ -26,11 +26,10 @@ output exactly the target's (this is not Medusa's lossy typical acceptance).
 """
 
 import heapq
-import time
 
 import torch
 
-from ..adaptive import CostModel
+from ..adaptive import CostModel, median_time
 from ..errors import InvalidTreeSpecError
 from .base import Drafter, Proposal
 
@@ -104,16 +103,7 @@ class MedusaDrafter(Drafter):
     def _time_heads(self, batch: int, depth: int, topk: int, repeats: int = 3) -> float:
         w = self.heads.weight
         h = torch.randn(batch, self.heads.dim, dtype=w.dtype, device=w.device)
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            if w.device.type == "cuda":
-                torch.cuda.synchronize(w.device)
-            t0 = time.perf_counter()
-            self._candidates(h, depth, topk)
-            if w.device.type == "cuda":
-                torch.cuda.synchronize(w.device)
-            times.append(time.perf_counter() - t0)
-        return sorted(times[1:])[len(times[1:]) // 2]
+        return median_time(lambda: self._candidates(h, depth, topk), repeats, w.device)
 
     # ------------------------------------------------------------------ per run
     def setup(self, setup) -> None:
