@@ -18,6 +18,7 @@ same batch put a one-hot q on their argmax (equivalent to a point mass).
 """
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -242,8 +243,37 @@ def draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling) -> Draf
     )
 
 
-def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) -> Draft:
-    """EAGLE-2: expand the TOPK best frontier nodes per level, keep the best TOTAL - 1.
+@dataclass
+class DynamicTree:
+    """What grow_dynamic chose: the Draft of the kept candidates plus, for drafters that
+    need to map them back, order: long [B, N] (candidate number of tree node 1..N) and
+    real: bool [B, N] (node 1 + j is a kept node of row b, not padding)."""
+
+    draft: Draft
+    order: torch.Tensor
+    real: torch.Tensor
+
+
+# expand(front_tok: long [B, K] target ids, front_cand: long [B, K] their candidate numbers,
+# from_front: long [B, K] index of each one's parent in the previous frontier (None at
+# depth 1, where every parent is the root), depth) -> the drafter's logits at each [B, K, V']
+Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+
+
+def grow_dynamic(
+    spec: TreeSpec,
+    root_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    expand: Expand,
+    policy=None,
+    to_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> DynamicTree:
+    """EAGLE-2's dynamic tree over any drafter: expand the TOPK best frontier nodes per level
+    (by cumulative log-prob), keep the best TOTAL - 1 candidates.
+
+    root_logits: [B, V'] the drafter's logits after the root; root_tokens: long [B];
+    to_target maps the drafter's token ids to the target's (a draft vocabulary; default:
+    the same ids).
 
     Candidates are numbered in creation order (level by level), so a parent's number is
     below its children's; a child's score (cumulative log-prob) is <= its parent's. A
@@ -256,27 +286,23 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
     the smaller ones padded, and carries each node's confidence."""
     B, K, D = root_tokens.shape[0], spec.topk, spec.depth
     dev = root_tokens.device
-    tree = HeadTree(head, cache, slots, spec.head_nodes)
+    to_target = to_target or (lambda t: t)
 
-    scores, front_tok = torch.log_softmax(head.draft_logits(hidden), -1).topk(K, dim=-1)  # [B, K]
-    front_tok = head.draft_to_target(front_tok)
+    scores, front_tok = torch.log_softmax(root_logits, -1).topk(K, dim=-1)  # [B, K]
+    front_tok = to_target(front_tok)
     cand_scores, cand_tokens, cand_lp = [scores], [front_tok], [scores]
     cand_parents = [torch.full((B, K), -1, dtype=torch.long, device=dev)]  # -1: the root
     front_cand = torch.arange(K, device=dev).expand(B, K)  # candidate numbers of the frontier
-    front_feat = hidden[:, None].expand(B, K, -1)
-    front_head_parent = torch.zeros(B, K, dtype=torch.long, device=dev)
+    from_front: torch.Tensor | None = None
     front_value = policy.node_value(None, scores, depth=1) if policy else None
     cand_values = [front_value]
     num_cand, levels = K, 1
     for d in range(1, D):
         if policy is not None and not policy.expand(levels, torch.cat(cand_values, 1), front_value):
             break
-        start = tree.n
-        hidden = tree.add(front_tok, front_feat, front_head_parent, depth=d)  # [B, K, dim]
-        child_lp, child_tok = torch.log_softmax(head.draft_logits(hidden), -1).topk(
-            K, dim=-1
-        )  # [B, K, K]
-        child_tok = head.draft_to_target(child_tok)
+        child_logits = expand(front_tok, front_cand, from_front, d)  # [B, K, V']
+        child_lp, child_tok = torch.log_softmax(child_logits, -1).topk(K, dim=-1)  # [B, K, K]
+        child_tok = to_target(child_tok)
         child_scores = (scores[:, :, None] + child_lp).flatten(1)  # [B, K*K]
         cand_scores.append(child_scores)
         cand_tokens.append(child_tok.flatten(1))
@@ -289,8 +315,7 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
             front_value = child_value.gather(1, best)
         front_cand = num_cand + best
         front_tok = child_tok.flatten(1).gather(1, best)
-        front_feat = hidden.gather(1, (best // K)[..., None].expand(-1, -1, hidden.shape[-1]))
-        front_head_parent = start + best // K
+        from_front = best // K
         num_cand += K * K
         levels += 1
 
@@ -319,10 +344,35 @@ def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) ->
     tokens[:, 1 : N + 1] = all_tokens.gather(1, order).masked_fill(~real, 0)
     parents[:, 1 : N + 1] = tree_parent.to(torch.int32).masked_fill(~real, -1)
     confidence = None
-    if policy is not None:  # the head's probability of each node's token given its parent
+    if policy is not None:  # the drafter's probability of each node's token given its parent
         confidence = torch.ones(B, T, device=dev)
         confidence[:, 1:] = torch.cat(cand_lp, 1).gather(1, order).float().exp()
-    return Draft(tokens, parents, (kept + 1).to(torch.int32), confidence=confidence)
+    draft = Draft(tokens, parents, (kept + 1).to(torch.int32), confidence=confidence)
+    return DynamicTree(draft, order, real)
+
+
+def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) -> Draft:
+    """EAGLE-2's dynamic tree (grow_dynamic) drafted by an EAGLE head: each expanded
+    frontier node becomes a head node whose feature is its parent's head output (the
+    root's: the target's hidden [B, dim])."""
+    B, K = root_tokens.shape[0], spec.topk
+    tree = HeadTree(head, cache, slots, spec.head_nodes)
+    last = {"hidden": hidden[:, None].expand(B, K, -1), "start": 0}  # the previous level
+
+    def expand(front_tok, front_cand, from_front, depth):
+        prev = last["hidden"]
+        if from_front is None:  # depth 1: every parent is the root (head node 0)
+            feat, head_parent = prev, torch.zeros_like(front_tok)
+        else:
+            feat = prev.gather(1, from_front[..., None].expand(-1, -1, prev.shape[-1]))
+            head_parent = last["start"] + from_front
+        last["start"] = tree.n
+        last["hidden"] = tree.add(front_tok, feat, head_parent, depth=depth)  # [B, K, dim]
+        return head.draft_logits(last["hidden"])
+
+    return grow_dynamic(
+        spec, head.draft_logits(hidden), root_tokens, expand, policy, head.draft_to_target
+    ).draft
 
 
 def draft_distribution(logits, sampling: BatchSampling):

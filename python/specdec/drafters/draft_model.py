@@ -34,7 +34,7 @@ import specdec_kernels.ops as ops
 
 from ..adaptive import CostModel, median_time
 from ..cache import PagedKVCache
-from ..drafting import TreeSpec, draft_distribution, sample_rows
+from ..drafting import TreeSpec, draft_distribution, grow_dynamic, sample_rows
 from ..errors import InvalidRequestError, ModelLoadError
 from ..model import AttentionMetadata, Transformer
 from .base import Drafter, Proposal
@@ -397,78 +397,29 @@ class DraftModelDrafter(Drafter):
         return Proposal(tokens, parents, num_nodes, draft_probs), fed
 
     def _draft_dynamic(self, spec, cache, slots, roots, logits, sampling, policy=None):
-        """EAGLE-2's tree (as drafting.draft_dynamic, with the draft model's logits): expand
-        the TOPK best frontier nodes per level, keep the best TOTAL - 1 candidates (ranked by
-        cumulative log-prob, or by policy's predicted acceptance in adaptive mode, which sizes
-        each request's tree: T = the largest + 1, the smaller ones padded). Candidates
-        are numbered level by level, so a stable descending sort ranks parents before their
-        children: the kept ones are closed under ancestors and in topological order."""
+        """EAGLE-2's tree (drafting.grow_dynamic) with the draft model's logits: every
+        expanded frontier node is fed to the draft model (a ModelTree node whose logits
+        give its children). Returns the Proposal and fed: long [B, T], the ModelTree node
+        where each tree node was fed (-1: never fed), for commit."""
         B, K, D, dev = roots.shape[0], spec.topk, spec.depth, roots.device
         tree = ModelTree(self.net, cache, slots, 1 + (D - 1) * K)
         max_cand = K + (D - 1) * K * K
         cand_node = torch.full((B, max_cand), -1, dtype=torch.long, device=dev)  # tree node
+        prev_start = [0]  # ModelTree node of the previous level's first frontier entry
 
-        scores, front_tok = torch.log_softmax(logits, -1).topk(K, dim=-1)  # [B, K]
-        cand_scores, cand_tokens, cand_lp = [scores], [front_tok], [scores]
-        cand_parents = [torch.full((B, K), -1, dtype=torch.long, device=dev)]  # -1: the root
-        front_cand = torch.arange(K, device=dev).expand(B, K)
-        front_tree_parent = torch.zeros(B, K, dtype=torch.long, device=dev)
-        front_value = policy.node_value(None, scores, depth=1) if policy else None
-        cand_values = [front_value]
-        num_cand, levels = K, 1
-        for d in range(1, D):
-            values = torch.cat(cand_values, 1) if policy is not None else None
-            if policy is not None and not policy.expand(levels, values, front_value):
-                break
-            start = tree.n
-            child_logits = tree.add(front_tok, front_tree_parent, depth=d)  # [B, K, V]
+        def expand(front_tok, front_cand, from_front, depth):
+            parent = (
+                torch.zeros_like(front_tok) if from_front is None else prev_start[0] + from_front
+            )
+            prev_start[0] = start = tree.n
+            child_logits = tree.add(front_tok, parent, depth=depth)  # [B, K, V]
             cand_node.scatter_(1, front_cand, start + torch.arange(K, device=dev).expand(B, K))
-            child_lp, child_tok = torch.log_softmax(child_logits, -1).topk(K, dim=-1)  # [B, K, K]
-            child_scores = (scores[:, :, None] + child_lp).flatten(1)  # [B, K*K]
-            cand_scores.append(child_scores)
-            cand_tokens.append(child_tok.flatten(1))
-            cand_lp.append(child_lp.flatten(1))
-            cand_parents.append(front_cand[:, :, None].expand(B, K, K).flatten(1))
-            scores, best = child_scores.topk(K, dim=-1)  # next frontier
-            if policy is not None:
-                child_value = policy.node_value(front_value, child_lp, depth=d + 1).flatten(1)
-                cand_values.append(child_value)
-                front_value = child_value.gather(1, best)
-            front_cand = num_cand + best
-            front_tok = child_tok.flatten(1).gather(1, best)
-            front_tree_parent = start + best // K
-            num_cand += K * K
-            levels += 1
+            return child_logits
 
-        all_tokens = torch.cat(cand_tokens, 1)
-        all_parents = torch.cat(cand_parents, 1)
-        if policy is None:
-            rank, N, T = torch.cat(cand_scores, 1), min(spec.total - 1, num_cand), spec.num_nodes
-            kept = torch.full((B,), N, dtype=torch.long, device=dev)
-        else:
-            rank = torch.cat(cand_values, 1)
-            kept = policy.sizes(rank, levels)  # [B]: each request's own size (0: the root only)
-            N = int(kept.max())
-            T = N + 1
-        order = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :N]  # [B, N]
-        node_of = torch.zeros(B, num_cand, dtype=torch.long, device=dev)  # candidate -> node
-        node_of.scatter_(1, order, torch.arange(1, N + 1, device=dev).expand(B, N))
-        parent_cand = all_parents.gather(1, order)
-        tree_parent = torch.where(parent_cand < 0, 0, node_of.gather(1, parent_cand.clamp(min=0)))
-
-        # row b keeps its kept[b] best (a prefix of its ranking: closed under ancestors); the
-        # rest of its N columns is padding
-        real = torch.arange(1, N + 1, device=dev)[None] <= kept[:, None]  # [B, N]
-        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-        parents = torch.full((B, T), -1, dtype=torch.int32, device=dev)
+        grown = grow_dynamic(spec, logits, roots, expand, policy)
+        d = grown.draft
+        T, N = d.tokens.shape[1], grown.order.shape[1]
         fed = torch.full((B, T), -1, dtype=torch.long, device=dev)
-        tokens[:, 0] = roots
         fed[:, 0] = 0
-        tokens[:, 1 : N + 1] = all_tokens.gather(1, order).masked_fill(~real, 0)
-        parents[:, 1 : N + 1] = tree_parent.to(torch.int32).masked_fill(~real, -1)
-        fed[:, 1 : N + 1] = cand_node.gather(1, order).masked_fill(~real, -1)
-        confidence = None
-        if policy is not None:  # the draft model's probability of each node given its parent
-            confidence = torch.ones(B, T, device=dev)
-            confidence[:, 1:] = torch.cat(cand_lp, 1).gather(1, order).float().exp()
-        return Proposal(tokens, parents, (kept + 1).to(torch.int32), None, confidence), fed
+        fed[:, 1 : N + 1] = cand_node.gather(1, grown.order).masked_fill(~grown.real, -1)
+        return Proposal(d.tokens, d.parents, d.num_nodes, None, d.confidence), fed
