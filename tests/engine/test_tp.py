@@ -1,8 +1,8 @@
 """Tensor parallelism (specdec.tp): greedy float32 output over 2 gloo ranks equals 1 rank.
 
 The workers are this file run as a script, one process per rank with torchrun's environment
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), all scenarios in one launch (start-up dominates).
-Every launch has a timeout: a hang (ranks whose
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), all scenarios in one launch (start-up dominates);
+the CLI path runs once under torchrun itself. Every launch has a timeout: a hang (ranks whose
 collectives no longer match) fails the test instead of blocking CI.
 """
 
@@ -236,6 +236,79 @@ def test_init_without_torchrun_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(InvalidRequestError, match="WORLD_SIZE is 3"):
         tp.init(2)
+
+
+# ---------------------------------------------------------------------- the CLI under torchrun
+def test_cli_tp2_under_torchrun_equals_tp1(tmp_path):
+    from test_cli import write_tiny_checkpoint
+
+    from specdec.cli import main
+
+    ckpt = write_tiny_checkpoint(tmp_path / "model")
+    prompts = tmp_path / "in.jsonl"
+    lines = [json.dumps({"prompt": f"w{i} w{i + 3} w7"}) for i in range(3)]
+    prompts.write_text("\n".join(lines) + "\n")
+    # the tiny model has no shipped head: a seeded random EAGLE head, adaptive trees
+    argv = [
+        "generate",
+        "--model",
+        ckpt,
+        "--prompts",
+        str(prompts),
+        "--no-chat-template",
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "--dtype",
+        "float32",
+    ]
+    main([*argv, "--output", str(tmp_path / "tp1.jsonl")])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={WORLD}",
+            "-m",
+            "specdec",
+            *argv,
+            "--tp",
+            str(WORLD),
+            "--output",
+            str(tmp_path / "tp2.jsonl"),
+        ],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    [(rc, out)] = wait_all([proc])
+    assert rc == 0, out[-3000:]
+    assert out.count("tensor parallel over 2 ranks") == 1  # rank 0 alone reports
+
+    def rows(name):  # written as requests finish: in id order here
+        lines = (tmp_path / name).read_text().splitlines()
+        return sorted((json.loads(line) for line in lines), key=lambda r: r["id"])
+
+    one, two = rows("tp1.jsonl"), rows("tp2.jsonl")
+    assert [r["token_ids"] for r in two] == [r["token_ids"] for r in one]
+    assert all(len(r["token_ids"]) == 8 for r in two)
+
+
+def test_cli_tp_without_torchrun_is_one_error_line(tmp_path, capsys, monkeypatch):
+    from test_cli import write_tiny_checkpoint
+
+    from specdec.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ckpt = write_tiny_checkpoint(tmp_path / "model")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", ckpt, "--prompt", "w1 w2", "--tp", "2"])
+    assert e.value.code == 2
+    assert "launch with torchrun --nproc-per-node 2" in capsys.readouterr().err
 
 
 if __name__ == "__main__":
