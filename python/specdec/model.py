@@ -346,7 +346,10 @@ class Transformer(nn.Module):
         w = self.tok_embeddings.weight
         # the KV heads this model computes: under tensor parallelism (tp.shard_model), this
         # rank's share of args.n_kv_heads
-        kv_heads = self.layers[0].attention.n_kv_heads if self.layers else self.args.n_kv_heads
+        block = self.layers[0] if len(self.layers) else None
+        kv_heads = self.args.n_kv_heads
+        if isinstance(block, TransformerBlock):
+            kv_heads = block.attention.n_kv_heads
         return PagedKVCache(
             self.args.n_layers,
             kv_heads,

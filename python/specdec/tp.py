@@ -40,7 +40,7 @@ import specdec_kernels.ops as ops
 
 from . import adaptive
 from .errors import InvalidRequestError
-from .model import Attention, FeedForward, Transformer
+from .model import Attention, FeedForward, Transformer, TransformerBlock
 
 
 @dataclass
@@ -134,9 +134,10 @@ def shard_model(model: Transformer, rank: int, world: int) -> Transformer:
         raise InvalidRequestError(f"rank must be in [0, {world}), got {rank}")
     check_shardable(model.args, world)
     for layer in model.layers:
+        assert isinstance(layer, TransformerBlock)
         _shard_attention(layer.attention, rank, world)
         _shard_mlp(layer.feed_forward, rank, world)
-    model.tp_rank, model.tp_world = rank, world
+    model.tp_rank, model.tp_world = rank, world  # type: ignore[assignment]
     return model
 
 
