@@ -106,9 +106,12 @@ def check_shardable(args, world: int) -> None:
         if getattr(args, name) % world
     ]
     if bad:
+        sizes = (args.n_heads, args.n_kv_heads, args.hidden_dim)
+        fits = [n for n in range(1, args.n_kv_heads + 1) if all(x % n == 0 for x in sizes)]
         raise InvalidRequestError(
             f"--tp {world}: the model cannot be split over {world} ranks: "
-            f"{', '.join(bad)} not divisible by {world}"
+            f"{', '.join(bad)} not divisible by {world} (--tp can be "
+            f"{', '.join(map(str, fits))})"
         )
 
 

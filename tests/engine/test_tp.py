@@ -21,7 +21,13 @@ from specdec.eagle import EagleHead
 from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
 
-from test_engine import PROMPTS, oracle_head, tiny_model
+from test_engine import (
+    N_TOKENS,
+    PROMPTS,
+    oracle_head,
+    same_distribution_pvalue,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -98,6 +104,27 @@ def decode(name: str, parallel: "tp.Parallel | None" = None) -> dict:
     }
 
 
+def sampled_model():
+    return tiny_model(vocab_size=16, layer_scale=0.01, seed=3)  # test_engine's small_vocab_model
+
+
+def first_tokens(model, head, tree, n=1200, **engine_kw) -> torch.Tensor:
+    """[n, N_TOKENS] tokens of n seeded requests at temperature 1 (test_engine.first_tokens
+    with fewer seeds: every prompt's prefill is a forward with its collectives here)."""
+    eng = Engine(model, head=head, tree=tree, batch_size=200, max_seq_len=32, **engine_kw)
+    params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=N_TOKENS) for s in range(n)]
+    results, _ = eng.generate([Request([1, 2, 3], p) for p in params])
+    return torch.tensor([r.token_ids for r in results])
+
+
+def sampled_first_tokens(parallel: "tp.Parallel") -> torch.Tensor:
+    """Sampled oracle chain drafts (draft_probs) over the group."""
+    model = sampled_model()
+    head = oracle_head(model)
+    tp.shard_model(model, parallel.rank, parallel.world)
+    return first_tokens(model, head, "chain:3", sampler=tp.BroadcastSampler())
+
+
 def worker(out_dir: str) -> None:
     """One rank: every scenario, then plain decoding with the all_reduce left out (broken)."""
     torch.set_num_threads(1)
@@ -107,6 +134,7 @@ def worker(out_dir: str) -> None:
     tp.RowParallelLinear.forward = lambda self, x: torch.nn.functional.linear(x, self.weight)
     out["broken"] = decode("plain-b3", parallel)
     tp.RowParallelLinear.forward = reduce
+    out["sampled-first-tokens"] = sampled_first_tokens(parallel).tolist()
     with open(os.path.join(out_dir, f"rank{parallel.rank}.json"), "w") as f:
         json.dump(out, f)
     tp.shutdown()
@@ -181,6 +209,15 @@ def test_sampled_drafts_agree_across_ranks(ranks):
     assert all(len(t) == 20 for t in a["tokens"])
 
 
+def test_sampled_tp2_follows_the_target(ranks):
+    """Sampled speculative decoding over 2 ranks against plain decoding in one process: the
+    two-sample test of test_engine (per position and the joint of the first two tokens)."""
+    plain = first_tokens(sampled_model(), None, "chain:1")
+    spec = torch.tensor(ranks[0]["sampled-first-tokens"])
+    assert spec.shape == plain.shape
+    assert same_distribution_pvalue(spec, plain) > 1e-3
+
+
 def test_each_rank_caches_only_its_kv_heads(ranks):
     model = tiny_model()
     L, Hkv, D = model.args.n_layers, model.args.n_kv_heads, model.args.head_dim
@@ -224,7 +261,7 @@ def test_indivisible_heads_are_a_clear_error():
     model = tiny_model()  # 4 query heads, 2 KV heads, hidden_dim 64
     with pytest.raises(InvalidRequestError, match=r"--tp 3.*n_heads = 4, n_kv_heads = 2"):
         tp.shard_model(model, 0, 3)
-    with pytest.raises(InvalidRequestError, match=r"n_kv_heads = 2 not divisible by 4"):
+    with pytest.raises(InvalidRequestError, match=r"2 not divisible by 4 \(--tp can be 1, 2\)"):
         tp.shard_model(model, 0, 4)
     assert model.layers[0].attention.n_heads == 4  # left whole
 
