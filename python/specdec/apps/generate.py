@@ -23,7 +23,7 @@ import os
 import sys
 
 from ..drafting import TreeSpec
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, SpecdecError
 from .common import add_model_placement_arguments, load_model_from_args
 from .drafter_choice import DrafterChoice, add_drafter_arguments
 
@@ -105,6 +105,10 @@ def run(args) -> int:
         args.device = str(parallel.device)  # this rank's GPU
     try:
         return _run(args, choice, prompts, rejected, tree, params, parallel)
+    except SpecdecError:
+        if parallel is not None and parallel.rank != 0:
+            return 2  # every rank meets the same bad input: rank 0 alone reports it
+        raise
     finally:
         if parallel is not None:
             from ..tp import shutdown
