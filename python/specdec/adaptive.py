@@ -43,6 +43,7 @@ target exactly; only the speed depends on these choices.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -237,6 +238,12 @@ def _draft(draft_s, levels) -> float:
     return draft_s[-1] + step * (levels - len(draft_s))
 
 
+# None, or (seconds, device) -> the seconds every process agrees on: tensor parallelism
+# (tp.init) takes the maximum over the ranks, so that every rank measures the same tree
+# sizes and its policy takes the same decisions (the ranks' forwards must match call for call)
+agree_time: "Callable[[float, torch.device], float] | None" = None
+
+
 def median_time(fn, repeats: int, device) -> float:
     """Seconds of fn(): the median of `repeats` timed calls after one warm-up call (CUDA
     synchronised around each, so it is the device's time); the cost models' one timer."""
@@ -250,7 +257,8 @@ def median_time(fn, repeats: int, device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    median = sorted(times)[len(times) // 2]
+    return median if agree_time is None else agree_time(median, device)
 
 
 class Policy:

@@ -181,7 +181,9 @@ class Engine:
     string form, the shape of the drafter's trees ("chain:4",
     "dynamic:5,8,32", "adaptive"); batch_size: requests decoded together; max_seq_len: cache
     positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
-    measured here, which takes a few forwards; pass one to make the choices reproducible).
+    measured here, which takes a few forwards; pass one to make the choices reproducible);
+    sampler: tree_rejection_sample's stand-in, same arguments and outputs (default: the op;
+    tensor parallelism passes tp.BroadcastSampler: rank 0 samples, every rank gets its result).
 
     Every argument is checked here, before any work (a tree that cannot fit the cache, caches
     larger than the memory left): InvalidTreeSpecError / InvalidRequestError."""
@@ -198,6 +200,7 @@ class Engine:
         eos_token_ids: Iterable[int] | None = None,
         cost_model: CostModel | None = None,
         drafter: Drafter | None = None,
+        sampler: Callable | None = None,
     ):
         if drafter is None:
             from .drafters.eagle import EagleDrafter
@@ -211,6 +214,7 @@ class Engine:
                 f"drafter must be a specdec.drafters.Drafter, got {drafter!r}"
             )
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.sampler = sampler
         self.head = getattr(drafter, "head", None)
         self.tree = TreeSpec.parse(tree) if isinstance(tree, str) else tree
         if not isinstance(self.tree, TreeSpec):
@@ -689,15 +693,16 @@ class Engine:
             sp.top_p,
             uniforms,
         )
+        sample = self.sampler or ops.tree_rejection_sample
         try:
-            return ops.tree_rejection_sample(*args)
+            return sample(*args)
         except (RuntimeError, ValueError):
             rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
             failed: dict[int, str] = {}
             for b in range(len(seqs)):
                 try:
                     row_args = [a if a is None else a[b : b + 1] for a in args]
-                    rows.append(ops.tree_rejection_sample(*row_args))  # type: ignore[arg-type]
+                    rows.append(sample(*row_args))  # type: ignore[arg-type]
                 except (RuntimeError, ValueError) as e:
                     failed[b] = str(e).strip().splitlines()[0]
                     rows.append(None)

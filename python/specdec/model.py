@@ -344,9 +344,15 @@ class Transformer(nn.Module):
     ) -> PagedKVCache:
         """Callers keep sequences within args.max_position_embeddings (the Mistral window, say)."""
         w = self.tok_embeddings.weight
+        # the KV heads this model computes: under tensor parallelism (tp.shard_model), this
+        # rank's share of args.n_kv_heads
+        block = self.layers[0] if len(self.layers) else None
+        kv_heads = self.args.n_kv_heads
+        if isinstance(block, TransformerBlock):
+            kv_heads = block.attention.n_kv_heads
         return PagedKVCache(
             self.args.n_layers,
-            self.args.n_kv_heads,
+            kv_heads,
             self.args.head_dim,
             num_slots,
             max_seq_len,

@@ -5,11 +5,16 @@ plainly.
     specdec generate --prompts in.jsonl --output out.jsonl --method plain --batch-size 4
     specdec generate --prompts edits.jsonl --method ngram --ngram-max 4 --ngram-min 2 --tree chain:8
     specdec generate --prompt "Why is the sky blue?" --method medusa --tree dynamic:4,4,16
+    torchrun --nproc-per-node 2 -m specdec generate --tp 2 --prompt "Why is the sky blue?"
 
 Bad input of any kind is a SpecdecError (the CLI prints one line, exit code 2). A request that
 fails on its own (an invalid prompt among valid ones, NaN logits) is one stderr line and a row
 with finish_reason "error"; the others complete, and the exit code is 1. Results are written as
 requests finish; Ctrl-C keeps them and exits with 130.
+
+--tp N (tensor parallelism, specdec.tp): the N processes torchrun launches each hold 1/N of the
+target's attention heads and MLP; rank 0 samples, prints and writes --output, the others are
+silent.
 """
 
 import argparse
@@ -18,7 +23,7 @@ import os
 import sys
 
 from ..drafting import TreeSpec
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, SpecdecError
 from .common import add_model_placement_arguments, load_model_from_args
 from .drafter_choice import DrafterChoice, add_drafter_arguments
 
@@ -53,6 +58,15 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-seq-len", type=int, default=2048, help="cache positions per request")
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor parallelism over N processes (launch with torchrun --nproc-per-node N "
+        "-m specdec generate --tp N ...): each rank holds 1/N of the target's attention heads "
+        "and MLP; gloo on CPU, NCCL on GPUs (default 1: no parallelism)",
+    )
+    p.add_argument(
         "--output",
         metavar="FILE.jsonl",
         help="a row per prompt, written as it finishes: id, prompt, text, token_ids, "
@@ -62,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from ..engine import Engine, Request, SamplingParams, join_errors
+    from ..engine import SamplingParams, join_errors
 
     # everything checkable without the model first: bad flags fail fast
     choice = DrafterChoice.from_args(args)
@@ -74,7 +88,7 @@ def run(args) -> int:
         for i in range(len(prompts))
     ]
     params[0].validate()
-    for flag in ("batch_size", "max_seq_len"):
+    for flag in ("batch_size", "max_seq_len", "tp"):
         if getattr(args, flag) < 1:
             raise InvalidRequestError(
                 f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}"
@@ -82,8 +96,37 @@ def run(args) -> int:
     check_output_path(args.output)
     if len(rejected) == len(prompts):
         raise InvalidRequestError(join_errors(list(rejected.values())))
+    parallel = None
+    if args.tp > 1:
+        from ..loader import resolve_device
+        from ..tp import init
+
+        parallel = init(args.tp, resolve_device(args.device))
+        args.device = str(parallel.device)  # this rank's GPU
+    try:
+        return _run(args, choice, prompts, rejected, tree, params, parallel)
+    except SpecdecError:
+        if parallel is not None and parallel.rank != 0:
+            return 2  # every rank meets the same bad input: rank 0 alone reports it
+        raise
+    finally:
+        if parallel is not None:
+            from ..tp import shutdown
+
+            shutdown()
+
+
+def _run(args, choice, prompts, rejected, tree, params, parallel) -> int:
+    from ..engine import Engine, Request, join_errors
+
     model, tokenizer = load_model_from_args(args)
-    drafter = choice.build(model, args.model)
+    drafter = choice.build(model, args.model)  # replicated on every rank: built whole
+    sampler = None
+    if parallel is not None:
+        from ..tp import BroadcastSampler, shard_model
+
+        shard_model(model, parallel.rank, parallel.world)
+        sampler = BroadcastSampler()
     requests = {}
     for i, (text, p) in enumerate(zip(prompts, params)):
         if i not in rejected:
@@ -102,6 +145,7 @@ def run(args) -> int:
         tree=tree,
         batch_size=args.batch_size,
         max_seq_len=args.max_seq_len,
+        sampler=sampler,
     )
     for i, req in list(requests.items()):
         try:
@@ -112,7 +156,8 @@ def run(args) -> int:
     if not requests:
         raise InvalidRequestError(join_errors([rejected[i] for i in sorted(rejected)]))
 
-    sink = ResultSink(args.output, len(prompts))
+    quiet = parallel is not None and parallel.rank != 0  # rank 0 reports for all
+    sink = ResultSink(None if quiet else args.output, len(prompts), quiet)
     try:
         for i in sorted(rejected):  # every invalid request, before any work
             sink.reject(i, prompts[i], rejected[i])
@@ -128,8 +173,11 @@ def run(args) -> int:
     finally:
         sink.close()
     label = f"{choice.label(drafter)} {tree}" if choice.method != "plain" else "plain"
-    print(f"\n== {label}, batch size {args.batch_size} ==")
-    print(stats.summary())
+    if parallel is not None:
+        label += f", tensor parallel over {parallel.world} ranks"
+    if not quiet:
+        print(f"\n== {label}, batch size {args.batch_size} ==")
+        print(stats.summary())
     return 1 if sink.failed else 0
 
 
@@ -150,15 +198,16 @@ class ResultSink:
     """Where results go as their requests finish: a flushed JSONL row each (--output) or their
     text on stdout, and one stderr line per failed request; a progress bar for several."""
 
-    def __init__(self, output, total: int):
-        self.single = total == 1
+    def __init__(self, output, total: int, quiet: bool = False):
+        """quiet: write nothing at all (a tensor-parallel rank other than 0)."""
+        self.single, self.quiet = total == 1, quiet
         self.file = None
         if output:
             try:
                 self.file = open(output, "w", encoding="utf-8")
             except OSError as e:
                 raise InvalidRequestError(f"cannot write --output {output}: {e}") from None
-        self.bar = progress_bar(total)
+        self.bar = None if quiet else progress_bar(total)
         self.finished = self.failed = 0
 
     def __call__(self, r):
@@ -207,6 +256,8 @@ class ResultSink:
             self.bar.update(1)
 
     def _print(self, line, file):
+        if self.quiet:
+            return
         if self.bar is not None:  # above the bar, never onto its line
             self.bar.write(line, file=file)
         else:
