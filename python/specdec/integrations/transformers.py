@@ -26,6 +26,7 @@ families specdec.config.ModelArgs reads); tested with transformers 5.24.0. Promp
 given unpadded (a [B, S] tensor of equal-length prompts, or a list of token-id lists).
 """
 
+import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -295,13 +296,31 @@ def shipped_head_for(target: HFTarget):
     return load_head(path, target) if path and fits else None
 
 
+def rebind_head(head, target: HFTarget):
+    """An EagleHead built over another target object of the same weights (specdec's own
+    model.Transformer, another HFTarget) -> a view of it that reads target's embeddings and
+    lm_head (its weights shared, not copied). Drafts differ only if the weights do, and
+    exactness never depends on the drafts."""
+    from ..eagle import check_head_matches
+
+    if head.target is target:
+        return head
+    check_head_matches(head, target)
+    view = copy.copy(head)  # shares the parameters; only the target reference differs
+    view._target = (target,)
+    return view
+
+
 def load_target_head(target: HFTarget, head):
     """head: "auto" (the shipped head when it fits, else None), None (plain decoding), a
-    head directory (specdec.eagle.load_head), or an EagleHead -> EagleHead or None."""
+    head directory (specdec.eagle.load_head), or an EagleHead (rebind_head) -> EagleHead or
+    None."""
     from ..eagle import EagleHead, load_head
 
-    if head is None or isinstance(head, EagleHead):
-        return head
+    if head is None:
+        return None
+    if isinstance(head, EagleHead):
+        return rebind_head(head, target)
     if head == SHIPPED:
         return shipped_head_for(target)
     if isinstance(head, str):
@@ -340,7 +359,8 @@ def generate(
 
     head: "auto" (default: the shipped EAGLE head for SmolLM2-135M-Instruct when hf_model has
     its shapes, else plain decoding), None (plain decoding, the same path with one-node
-    trees), a head directory or an EagleHead built over an HFTarget of hf_model. tree: the
+    trees), a head directory, or an EagleHead (e.g. built over specdec's own model of the
+    same weights: it is rebound to hf_model's embeddings and lm_head). tree: the
     draft tree ("chain:4", "dynamic:6,10,60", "adaptive"; specdec.drafting.TreeSpec).
     temperature 0 is greedy; top_k / top_p filter sampling (0 / 1: off); seed: request i uses
     seed + i (None: torch's global RNG). batch_size: requests decoded together (default: all);
