@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import specdec_kernels.ops as ops  # noqa: E402
 from specdec import engine as engine_module  # noqa: E402
 from specdec.eagle import EagleHead  # noqa: E402
-from specdec.errors import InvalidRequestError, InvalidTreeSpecError  # noqa: E402
+from specdec.errors import HeadMismatchError, InvalidRequestError, InvalidTreeSpecError  # noqa: E402
 from specdec.integrations.transformers import ATTENTION_NAME, HFTarget, generate  # noqa: E402
 
 from test_engine import (  # noqa: E402
@@ -131,6 +131,31 @@ def test_greedy_batch_with_freed_slot_equals_hf_generate(llama):
     )
     assert stats["target_forwards"] < plain["target_forwards"]
     assert stats["mean_acceptance_length"] > 1.5
+
+
+def test_wrong_tree_positions_are_caught(llama, monkeypatch):
+    """A deliberately broken target (RoPE positions by node index, not tree depth) no longer
+    matches hf_model.generate: the comparison above can fail."""
+    from specdec.integrations import transformers as integration
+
+    real = integration.HFTarget._run
+
+    def by_index(self, tokens, positions, meta, feature_layers):
+        if meta.mode == "verify" and not meta.packed:
+            positions = positions[:, :1] + torch.arange(positions.shape[1])
+        return real(self, tokens, positions, meta, feature_layers)
+
+    monkeypatch.setattr(integration.HFTarget, "_run", by_index)
+    want = [p + hf_greedy(llama, p, 16) for p in PROMPTS]
+    got, _ = generate(
+        llama,
+        PROMPTS,
+        head=oracle_head(HFTarget(llama)),
+        tree="dynamic:4,3,10",
+        max_new_tokens=16,
+        batch_size=1,
+    )
+    assert got != want
 
 
 def test_tensor_batch_pads_like_hf_generate(llama):
@@ -251,6 +276,12 @@ def test_bad_arguments_raise_clear_errors(llama, kwargs, error, words):
     with pytest.raises(error, match=__import__("re").escape(words)):
         generate(llama, **{"head": None, **kwargs})
     assert llama.config._attn_implementation == "sdpa"
+
+
+def test_mismatched_head_is_rejected(llama, small_vocab):
+    head = EagleHead.random(HFTarget(small_vocab), seed=0)  # vocabulary 16, llama has 32
+    with pytest.raises(HeadMismatchError, match="vocabulary"):
+        generate(llama, [[1, 2]], head=head)
 
 
 def test_unsupported_model_is_rejected():
