@@ -72,6 +72,7 @@ def test_quick_bench_json_fields_and_plots(models, tmp_path):
     assert list(greedy) == [
         "hf_plain",
         "hf_prompt_lookup",
+        "hf_specdec_eagle",
         "plain",
         "eagle_chain2",
         "eagle_tree(dynamic:2,2,4)",

@@ -1,12 +1,14 @@
 """`specdec bench`: end-to-end decoding benchmark on MT-bench first turns.
 
 In one run, on the same prompts: Hugging Face `generate` (plain, and prompt-lookup
-decoding), our plain loop, our EAGLE chain for several k, our EAGLE dynamic tree and our
-adaptive mode, greedy and at temperature 1, batch size 1; a greedy batch-size sweep for
-throughput; and a hostile workload (an untrained head) where only adaptive mode should
-keep plain decoding's speed. Every model runs in the same dtype. Reports mean acceptance
-length, per-depth acceptance, tokens/s, speedups vs our plain loop and vs HF plain, and the
-time split; writes PREFIX.json (with machine, date and commit) and PREFIX_*.png plots.
+decoding), specdec inside transformers (hf_specdec_eagle: the HF model's own layers, our
+attention and EAGLE tree), our plain loop, our EAGLE chain for several k, our EAGLE
+dynamic tree and our adaptive mode, greedy and at temperature 1, batch size 1; a greedy
+batch-size sweep for throughput; and a hostile workload (an untrained head) where only
+adaptive mode should keep plain decoding's speed. Every model runs in the same dtype.
+Reports mean acceptance length, per-depth acceptance, tokens/s, speedups vs our plain loop
+and vs HF plain, and the time split; writes PREFIX.json (with machine, date and commit) and
+PREFIX_*.png plots.
 """
 
 import json
@@ -18,7 +20,7 @@ import torch
 
 from ..drafting import TreeSpec
 from .common import machine_info
-from .hf_baseline import load_hf, run_hf
+from .hf_baseline import load_hf, run_hf, run_hf_specdec
 from .serving import MULTIPLIERS as SERVING_MULTIPLIERS
 
 
@@ -66,6 +68,8 @@ def run_ours(
 def methods(head, chain_ks, tree: str, adaptive: str, hf: bool):
     """(name, kind, tree or prompt-lookup size) of every method at batch size 1."""
     out = [("hf_plain", "hf", None), ("hf_prompt_lookup", "hf", 10)] if hf else []
+    if hf and head is not None:  # specdec in transformers: the HF layers, our attention + EAGLE
+        out.append(("hf_specdec_eagle", "hf_specdec", tree))
     out.append(("plain", "ours", None))
     if head is not None:
         out += [(f"eagle_chain{k}", "ours", f"chain:{k}") for k in chain_ks]
@@ -125,6 +129,10 @@ def run_bench(
             t0 = time.perf_counter()
             if kind == "hf":
                 rows[name] = run_hf(hf_model, prompt_ids, temp, 1, max_new_tokens, seed, eos, arg)
+            elif kind == "hf_specdec":
+                rows[name] = run_hf_specdec(
+                    hf_model, head, arg, prompt_ids, temp, max_new_tokens, seed, eos
+                )
             else:
                 rows[name] = run_ours(
                     model,

@@ -80,3 +80,47 @@ def load_hf(model_path, dtype, device):
     if path.endswith(".gguf"):
         path = gguf_checkpoint_dir(path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def run_hf_specdec(
+    hf_model,
+    head,
+    tree: str,
+    prompt_ids: list,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    eos_ids,
+) -> dict:
+    """specdec inside transformers (specdec.integrations.transformers.generate): the HF
+    model's own layers with specdec's tree attention, drafter and sampler, batch size 1, the
+    prompts in one call (its setup timed too)."""
+    from ..integrations.transformers import generate
+
+    def run(prompts, n):
+        return generate(
+            hf_model,
+            prompts,
+            head=head,
+            tree=tree,
+            max_new_tokens=n,
+            temperature=temperature,
+            seed=seed,
+            batch_size=1,
+            eos_token_id=sorted(eos_ids),
+        )
+
+    run(prompt_ids[:1], 2)  # warm-up
+    t0 = time.perf_counter()
+    ids, stats = run(prompt_ids, max_new_tokens)
+    elapsed = time.perf_counter() - t0
+    outputs = [row[len(p) :] for p, row in zip(prompt_ids, ids)]
+    n = sum(len(o) for o in outputs)
+    return {
+        "num_requests": len(prompt_ids),
+        "generated_tokens": n,
+        "elapsed_s": elapsed,
+        "tokens_per_s": n / elapsed,
+        "mean_acceptance_length": stats["mean_acceptance_length"],
+        "outputs": outputs,
+    }
