@@ -10,6 +10,7 @@ import torch
 
 import specdec_kernels.ops as ops
 from specdec.apps.train import (
+    data_feature_layers,
     generate_batch,
     generate_shards,
     head_train_forward,
@@ -18,7 +19,7 @@ from specdec.apps.train import (
     train_head,
 )
 from specdec.config import ModelArgs
-from specdec.eagle import EagleHead, load_head
+from specdec.eagle import EagleHead, eagle3_feature_layers, load_head
 from specdec.errors import InvalidRequestError
 from specdec.model import Transformer
 
@@ -266,7 +267,7 @@ def test_shipped_head_drafts_for_the_default_model():
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
     )
-    ((tokens, hidden),) = generate_batch(model, [ids], 24, tok.eos_token_ids)
+    ((tokens, hidden, _),) = generate_batch(model, [ids], 24, tok.eos_token_ids)
     tok_in, feat_in, _, labels, mask = make_batch([(tokens, hidden, len(ids))])
     with torch.no_grad():
         pred = head.logits(head_train_forward(head, tok_in, feat_in)[0]).argmax(-1)
@@ -284,3 +285,49 @@ def test_prompt_datasets():
     share = sharegpt_prompts(50, seed=0)
     assert len(set(share)) == 50 and not set(share) & set(mt)
     assert sharegpt_prompts(20, seed=0) == share[:20] and sharegpt_prompts(20, seed=1) != share[:20]
+
+
+# ---------------------------------------------------------------------- EAGLE-3
+@pytest.fixture(scope="module")
+def target3():
+    """A 3-layer target (EAGLE-3 fuses three distinct layers: 0, 1, 2 here)."""
+    from test_engine import tiny_model
+
+    return tiny_model(vocab_size=48, layer_scale=0.2).requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def data_dir3(target3, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("shards3"))
+    generate_shards(
+        target3,
+        types.SimpleNamespace(eos_token_ids={EOS}),
+        PROMPTS * 3,
+        path,
+        batch_size=4,
+        max_new_tokens=16,
+        progress=False,
+        feature_layers=eagle3_feature_layers(3),
+    )
+    return path
+
+
+def test_eagle3_shards_hold_the_feature_layers_outputs(target3, data_dir3):
+    layers = eagle3_feature_layers(3)
+    assert data_feature_layers(data_dir3) == list(layers) == [0, 1, 2]
+    hidden = load_shards(data_dir3)
+    aux = load_shards(data_dir3, features="aux")
+    for (tokens, h, p), (tokens2, a, p2) in zip(hidden, aux):
+        assert torch.equal(tokens, tokens2) and p == p2 and a.shape == (len(tokens), 3 * 32)
+        cache = target3.new_cache(1, 64)
+        out = target3.prefill([tokens], cache, torch.zeros(1, dtype=torch.long), layers)
+        torch.testing.assert_close(h.float(), out.hidden[0], rtol=1e-2, atol=2e-2)
+        torch.testing.assert_close(a.float(), out.aux[0], rtol=1e-2, atol=2e-2)
+
+
+def test_hidden_only_shards_refuse_eagle3_features(data_dir):
+    assert data_feature_layers(data_dir) == []
+    with pytest.raises(InvalidRequestError, match="--features eagle3"):
+        load_shards(data_dir, features="aux")
+    with pytest.raises(InvalidRequestError, match="features must be"):
+        load_shards(data_dir, features="bogus")

@@ -53,18 +53,29 @@ def _pick(logits, temperature: float, generator):
 
 @torch.no_grad()
 def generate_batch(
-    model, prompts: list, max_new_tokens: int, eos_ids, temperature=0.0, generator=None
+    model,
+    prompts: list,
+    max_new_tokens: int,
+    eos_ids,
+    temperature=0.0,
+    generator=None,
+    feature_layers=(),
 ):
     """Continues each prompt (list of ids) until EOS or max_new_tokens.
 
-    Returns per prompt (tokens long [S], hidden [S, dim]): prompt + answer ids and the
-    target's final-norm hidden state at every position (the generated EOS included)."""
+    Returns per prompt (tokens long [S], hidden [S, dim], aux [S, len(feature_layers) * dim]):
+    prompt + answer ids, the target's final-norm hidden state at every position (the
+    generated EOS included) and the pre-norm outputs of feature_layers there (EAGLE-3's
+    features; [S, 0] without feature_layers)."""
     B = len(prompts)
     cache = model.new_cache(B, max(len(p) for p in prompts) + max_new_tokens + 1)
     slots = torch.arange(B, device=cache.k.device)
-    out = model.prefill([torch.tensor(p, device=slots.device) for p in prompts], cache, slots)
+    out = model.prefill(
+        [torch.tensor(p, device=slots.device) for p in prompts], cache, slots, feature_layers
+    )
     tokens = [list(p) for p in prompts]
     hidden = [[h] for h in out.hidden]
+    aux = [[a] for a in out.aux]
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=slots.device)
     active, nxt = slots, _pick(out.logits, temperature, generator)
     for i in range(max_new_tokens):
@@ -80,16 +91,18 @@ def generate_batch(
             torch.ones(n, dtype=torch.int32, device=slots.device),
             tree_mask,
             depth,
+            feature_layers,
         )
         cache.cache_lens[active] += 1
-        for b, t, h in zip(active.tolist(), nxt.tolist(), o.hidden[:, 0]):
+        for b, t, h, a in zip(active.tolist(), nxt.tolist(), o.hidden[:, 0], o.aux[:, 0]):
             tokens[b].append(t)
             hidden[b].append(h[None])
+            aux[b].append(a[None])
         keep = ~torch.isin(nxt, eos)
         if i == max_new_tokens - 1 or not keep.any():
             break
         active, nxt = active[keep], _pick(o.logits[keep, 0], temperature, generator)
-    return [(torch.tensor(t), torch.cat(h)) for t, h in zip(tokens, hidden)]
+    return [(torch.tensor(t), torch.cat(h), torch.cat(a)) for t, h, a in zip(tokens, hidden, aux)]
 
 
 def generate_shards(
@@ -103,12 +116,14 @@ def generate_shards(
     seed: int = 0,
     max_shards: int | None = None,
     progress: bool = True,
+    feature_layers=(),
 ) -> list:
     """Self-distillation data: shard i holds prompts [i * batch_size, (i + 1) * batch_size)
     with the target's answers; existing shards are kept (resume). Returns the shard paths.
 
     Shard tensors: tokens int32 [N] (sequences concatenated), lengths int32 [n],
-    prompt_lens int32 [n], hidden bf16 [N, dim]."""
+    prompt_lens int32 [n], hidden bf16 [N, dim], and with feature_layers (EAGLE-3 data) aux
+    bf16 [N, len(feature_layers) * dim]: the pre-norm outputs of those target layers."""
     os.makedirs(data_dir, exist_ok=True)
     # everything that decides a shard's content (not the prompt count: the prompt list is
     # prefix-stable in --num-prompts, so a run can be extended with more shards)
@@ -120,6 +135,8 @@ def generate_shards(
         "dim": model.args.dim,
         "vocab_size": model.args.vocab_size,
     }
+    if feature_layers:  # only then: older EAGLE-1/2 data directories keep their manifest
+        manifest["feature_layers"] = list(feature_layers)
     _check_manifest(data_dir, manifest)
     num_shards = math.ceil(len(prompt_ids) / batch_size)
     if max_shards is not None:
@@ -132,10 +149,10 @@ def generate_shards(
         batch = prompt_ids[i * batch_size : (i + 1) * batch_size]
         gen = torch.Generator().manual_seed(seed * 1_000_003 + i)  # per shard: resume-stable
         seqs = generate_batch(
-            model, batch, max_new_tokens, tokenizer.eos_token_ids, temperature, gen
+            model, batch, max_new_tokens, tokenizer.eos_token_ids, temperature, gen, feature_layers
         )
         _write_shard(paths[i], seqs, [len(p) for p in batch])
-        done_tokens += sum(len(t) - len(p) for (t, _), p in zip(seqs, batch))
+        done_tokens += sum(len(t) - len(p) for (t, _, _), p in zip(seqs, batch))
         if bar:
             bar.set_postfix(gen_tok_s=f"{done_tokens / (time.perf_counter() - t0):.1f}")
             bar.update(1)
@@ -161,11 +178,13 @@ def _check_manifest(data_dir, manifest):
 
 def _write_shard(path, seqs, prompt_lens):
     tensors = {
-        "tokens": torch.cat([t for t, _ in seqs]).to(torch.int32),
-        "lengths": torch.tensor([len(t) for t, _ in seqs], dtype=torch.int32),
+        "tokens": torch.cat([t for t, _, _ in seqs]).to(torch.int32),
+        "lengths": torch.tensor([len(t) for t, _, _ in seqs], dtype=torch.int32),
         "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
-        "hidden": torch.cat([h for _, h in seqs]).to(torch.bfloat16).cpu(),
+        "hidden": torch.cat([h for _, h, _ in seqs]).to(torch.bfloat16).cpu(),
     }
+    if seqs[0][2].shape[-1]:
+        tensors["aux"] = torch.cat([a for _, _, a in seqs]).to(torch.bfloat16).cpu()
     tmp = path + ".tmp"
     save_file(tensors, tmp)
     os.replace(tmp, path)  # a shard exists only once complete
@@ -180,18 +199,35 @@ def shard_paths(data_dir: str) -> list:
     ]
 
 
-def load_shards(data_dir: str, paths: list | None = None) -> list:
-    """Shards (default: all complete ones) -> list of (tokens long [S], hidden bf16 [S, dim],
-    prompt_len)."""
+def load_shards(data_dir: str, paths: list | None = None, features: str = "hidden") -> list:
+    """Shards (default: all complete ones) -> list of (tokens long [S], feature bf16 [S, F],
+    prompt_len); features: "hidden" (final-norm hidden, F = dim: EAGLE-1/2, Medusa) or "aux"
+    (the fused layer outputs of EAGLE-3 data, F = len(feature_layers) * dim)."""
+    if features not in ("hidden", "aux"):
+        raise InvalidRequestError(f"features must be 'hidden' or 'aux', got {features!r}")
     seqs = []
     for path in shard_paths(data_dir) if paths is None else paths:
         t = load_file(path)
+        if features not in t:
+            raise InvalidRequestError(
+                f"{path} holds no {features!r} features (EAGLE-3 training needs data made "
+                "with --features eagle3)"
+            )
         lengths = t["lengths"].tolist()
         for tok, hid, p in zip(
-            t["tokens"].split(lengths), t["hidden"].split(lengths), t["prompt_lens"].tolist()
+            t["tokens"].split(lengths), t[features].split(lengths), t["prompt_lens"].tolist()
         ):
             seqs.append((tok.long(), hid, p))
     return seqs
+
+
+def data_feature_layers(data_dir: str) -> list:
+    """The target layers whose outputs a data directory's shards hold as aux ([] if none)."""
+    path = os.path.join(data_dir, MANIFEST)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f).get("feature_layers", [])
 
 
 # ---------------------------------------------------------------------- training
@@ -483,6 +519,14 @@ def add_arguments(p):
     )
     p.add_argument("--max-shards", type=int, help="stop data generation after this many shards")
     p.add_argument(
+        "--features",
+        choices=("hidden", "eagle3"),
+        default="hidden",
+        help="what generated shards store per position: the final-norm hidden (EAGLE-1/2, "
+        "Medusa; 2 * dim bytes) or also the outputs of EAGLE-3's three feature layers (both "
+        "EAGLE-2 and EAGLE-3 train on it; 8 * dim bytes)",
+    )
+    p.add_argument(
         "--gen-dtype",
         choices=("bfloat16", "float32"),
         default="float32",
@@ -538,6 +582,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from ..eagle import eagle3_feature_layers
     from ..loader import load_model, resolve_device
     from .data import sharegpt_prompts
 
@@ -554,6 +599,9 @@ def run(args) -> int:
         prompts = tokenize_prompts(
             tokenizer, sharegpt_prompts(args.num_prompts, args.seed), args.max_prompt_tokens
         )
+        feature_layers = (
+            eagle3_feature_layers(model.args.n_layers) if args.features == "eagle3" else ()
+        )
         generate_shards(
             model,
             tokenizer,
@@ -565,6 +613,7 @@ def run(args) -> int:
             args.seed,
             args.max_shards,
             progress,
+            feature_layers,
         )
     if args.stage in ("all", "train"):
         model, _ = load_model(args.model, device=device)
