@@ -67,15 +67,18 @@ def data_dir(target, tmp_path_factory):
     return path
 
 
-def test_train_forward_matches_cached_head(target):
-    """The SDPA training pass computes what the engine's paged-cache pass computes."""
-    head = EagleHead.random(target, version=2, seed=3)
+@pytest.mark.parametrize("version", [2, 3])
+def test_train_forward_matches_cached_head(request, version):
+    """The SDPA training pass computes what the engine's paged-cache pass computes (EAGLE-3:
+    fc over the fused features at committed positions, its own output at draft nodes)."""
+    target = request.getfixturevalue("target" if version == 2 else "target3")
+    head = EagleHead.random(target, version=version, seed=3)
     with torch.no_grad():  # non-trivial attention / MLP contributions
         for p in head.parameters():
             p.add_(torch.randn(p.shape) * 0.1)
     S = 9
     tokens = torch.randint(1, 48, (1, S))
-    features = torch.randn(1, S, 32)
+    features = torch.randn(1, S, 32 * (3 if version == 3 else 1))
     with torch.no_grad():
         ours, second = head_train_forward(head, tokens, features, steps=2)
         cache = head.new_cache(1, 16)
@@ -331,3 +334,71 @@ def test_hidden_only_shards_refuse_eagle3_features(data_dir):
         load_shards(data_dir, features="aux")
     with pytest.raises(InvalidRequestError, match="features must be"):
         load_shards(data_dir, features="bogus")
+
+
+def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, tmp_path):
+    """A few steps of EAGLE-3 training (3-pass training-time test) reduce the loss; the saved
+    head loads with load_head as an EAGLE-3 head over the data's draft vocabulary and
+    predicts the data far better than a random head; the engine's greedy output with it
+    equals plain decoding at batch 1 and with a request joining a freed slot."""
+    from test_engine import run
+
+    out = str(tmp_path / "eagle3")
+    seqs = load_shards(data_dir3, features="aux")
+    log = train_head(
+        target3,
+        seqs,
+        out,
+        epochs=8,
+        batch_size=2,
+        lr=3e-3,
+        save_dtype=torch.float32,
+        progress=False,
+        ttt_steps=3,
+        version=3,
+        draft_vocab=12,
+        feature_layers=data_feature_layers(data_dir3),
+        val_seqs=seqs[:4],
+    )
+    steps = [r for r in log if "step" in r]
+    assert len(steps) == 48 and all(len(r["acc_by_depth"]) == 3 for r in steps)
+    assert all(r["feature_loss"] == 0 for r in steps)  # EAGLE-3: token loss only
+    first = sum(r["loss"] for r in steps[:3]) / 3
+    last = sum(r["loss"] for r in steps[-3:]) / 3
+    assert last < 0.7 * first, (first, last)
+    with open(os.path.join(out, "training.json")) as f:
+        summary = json.load(f)
+    assert summary["eagle_version"] == 3 and summary["feature_layers"] == [0, 1, 2]
+    assert len(summary["held_out"][-1]["val"]["top1_by_depth"]) == 3
+
+    head = load_head(out, target3)
+    assert head.version == 3 and head.feature_layers == (0, 1, 2)
+    assert head.draft_vocab_size == 12
+    counts = torch.bincount(torch.cat([t[p:] for t, _, p in seqs]), minlength=48)
+    want = torch.sort(torch.argsort(-counts, stable=True)[:12]).values
+    assert torch.equal(head.draft_to_target(torch.arange(12)), want)
+
+    def top1(h):
+        tok_in, feat_in, _, labels, mask = make_batch(seqs)
+        with torch.no_grad():
+            pred = h.logits(head_train_forward(h, tok_in, feat_in)[0]).argmax(-1)
+        return (pred[mask] == labels[mask]).float().mean().item()
+
+    random_head = EagleHead.random(target3, version=3, seed=0, draft_vocab_size=12)
+    random_head.d2t.copy_(want - torch.arange(12))
+    trained, untrained = top1(head), top1(random_head)
+    assert trained > untrained + 0.25, (trained, untrained)
+
+    prompts = PROMPTS  # the training prompts: the head knows these answers
+    for batch_size in (1, 3):  # 3 slots, 4 requests: one joins a freed slot
+        plain, _ = run(target3, None, "chain:1", batch_size, prompts=prompts)
+        spec, stats = run(target3, head, "chain:3", batch_size, prompts=prompts)
+        assert spec == plain
+        assert stats.mean_acceptance_length > 1.2  # the trained drafts do get accepted
+
+
+def test_eagle3_training_refuses_hidden_only_features(target3, data_dir3, tmp_path):
+    with pytest.raises(InvalidRequestError, match="features of width 96"):
+        train_head(target3, load_shards(data_dir3), str(tmp_path), version=3, progress=False)
+    with pytest.raises(InvalidRequestError, match="ttt_steps"):
+        train_head(target3, load_shards(data_dir3), str(tmp_path), ttt_steps=0, progress=False)
