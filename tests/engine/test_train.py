@@ -402,3 +402,30 @@ def test_eagle3_training_refuses_hidden_only_features(target3, data_dir3, tmp_pa
         train_head(target3, load_shards(data_dir3), str(tmp_path), version=3, progress=False)
     with pytest.raises(InvalidRequestError, match="ttt_steps"):
         train_head(target3, load_shards(data_dir3), str(tmp_path), ttt_steps=0, progress=False)
+
+
+def test_cli_train_eagle_version_3(
+    target, target3, data_dir, data_dir3, tmp_path, monkeypatch, capsys
+):
+    from specdec.cli import main
+
+    def cli(model, data, out):
+        monkeypatch.setattr("specdec.loader.load_model", lambda *a, **k: (model, None))
+        main(
+            ["train-head", "--eagle-version", "3", "--ttt-steps", "2", "--draft-vocab", "10",
+             "--output", out, "--data-dir", data, "--stage", "train", "--epochs", "1",
+             "--batch-size", "2", "--dtype", "float32", "--no-progress"]
+        )  # fmt: skip
+
+    out = str(tmp_path / "cli3")
+    cli(target3, data_dir3, out)
+    head = load_head(out, target3)
+    assert head.version == 3 and head.draft_vocab_size == 10
+    with open(os.path.join(out, "training.json")) as f:
+        summary = json.load(f)
+    assert summary["ttt_steps"] == 2 and summary["noise"] == 0.0  # EAGLE-3's default
+    with pytest.raises(SystemExit):
+        cli(target, data_dir, str(tmp_path / "refused"))  # hidden-only data
+    assert "holds no EAGLE-3 features: generate it with --features eagle3" in (
+        capsys.readouterr().err
+    )
