@@ -386,7 +386,7 @@ def train_head(
     seqs: (tokens, feature, prompt_len) as load_shards gives them: features "hidden" for
     version 2, "aux" (the outputs of feature_layers, default eagle3_feature_layers) for
     version 3. An EAGLE-3 head gets its own lm_head over the draft vocabulary (the
-    draft_vocab most frequent generated tokens; 0: every token the data generates).
+    draft_vocab most frequent generated tokens; 0: every token id in the sequences).
     Returns the per-step log [{"step", "loss", "feature_loss", "token_loss", "acc",
     "acc_by_depth"}] of this call (plus {"epoch", "val"} records)."""
     from ..eagle import EagleHead, check_head_matches
@@ -630,7 +630,8 @@ def add_arguments(p):
         default=0,
         metavar="N",
         help="draft over the N most frequent generated tokens only (stored as d2t; cuts the "
-        "draft lm_head cost by V / N); 0 = the whole vocabulary (default)",
+        "draft lm_head cost by V / N); 0 = the whole vocabulary (default; for EAGLE-3: "
+        "every token id in the data)",
     )
     p.add_argument(
         "--val-shards", type=int, default=1, help="last shards held out for per-epoch validation"
