@@ -336,14 +336,10 @@ def test_hidden_only_shards_refuse_eagle3_features(data_dir):
         load_shards(data_dir, features="bogus")
 
 
-def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, tmp_path):
-    """A few steps of EAGLE-3 training (3-pass training-time test) reduce the loss; the saved
-    head loads with load_head as an EAGLE-3 head over the data's draft vocabulary and
-    predicts the data far better than a random head; the engine's greedy output with it
-    equals plain decoding at batch 1 and with a request joining a freed slot."""
-    from test_engine import run
-
-    out = str(tmp_path / "eagle3")
+@pytest.fixture(scope="module")
+def eagle3_trained(target3, data_dir3, tmp_path_factory):
+    """(head directory, training log) of a small EAGLE-3 training (3-pass TTT, 12 tokens)."""
+    out = str(tmp_path_factory.mktemp("eagle3"))
     seqs = load_shards(data_dir3, features="aux")
     log = train_head(
         target3,
@@ -360,6 +356,18 @@ def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, tmp
         feature_layers=data_feature_layers(data_dir3),
         val_seqs=seqs[:4],
     )
+    return out, log
+
+
+def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, eagle3_trained):
+    """A few steps of EAGLE-3 training (3-pass training-time test) reduce the loss; the saved
+    head loads with load_head as an EAGLE-3 head over the data's draft vocabulary and
+    predicts the data far better than a random head; the engine's greedy output with it
+    equals plain decoding at batch 1 and with a request joining a freed slot."""
+    from test_engine import run
+
+    out, log = eagle3_trained
+    seqs = load_shards(data_dir3, features="aux")
     steps = [r for r in log if "step" in r]
     assert len(steps) == 48 and all(len(r["acc_by_depth"]) == 3 for r in steps)
     assert all(r["feature_loss"] == 0 for r in steps)  # EAGLE-3: token loss only
@@ -395,6 +403,18 @@ def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, tmp
         spec, stats = run(target3, head, "chain:3", batch_size, prompts=prompts)
         assert spec == plain
         assert stats.mean_acceptance_length > 1.2  # the trained drafts do get accepted
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "dynamic:3,3,8"])
+def test_sampled_output_with_a_trained_eagle3_head_follows_plain(target3, eagle3_trained, tree):
+    """Sampled drafts from the trained head's 12-token draft vocabulary (draft_probs zero
+    outside it): the output distribution is plain decoding's (two-sample test)."""
+    from test_engine import SAMPLING, first_tokens, same_distribution_pvalue
+
+    head = load_head(eagle3_trained[0], target3)
+    plain = first_tokens(target3, None, "chain:1", SAMPLING["t1"])
+    spec = first_tokens(target3, head, tree, SAMPLING["t1"])
+    assert same_distribution_pvalue(spec, plain) > 1e-3
 
 
 def test_eagle3_training_refuses_hidden_only_features(target3, data_dir3, tmp_path):
