@@ -10,6 +10,7 @@ import torch
 
 import specdec_kernels.ops as ops
 from specdec.apps.train import (
+    data_feature_layers,
     generate_batch,
     generate_shards,
     head_train_forward,
@@ -18,7 +19,7 @@ from specdec.apps.train import (
     train_head,
 )
 from specdec.config import ModelArgs
-from specdec.eagle import EagleHead, load_head
+from specdec.eagle import EagleHead, eagle3_feature_layers, load_head
 from specdec.errors import InvalidRequestError
 from specdec.model import Transformer
 
@@ -66,15 +67,18 @@ def data_dir(target, tmp_path_factory):
     return path
 
 
-def test_train_forward_matches_cached_head(target):
-    """The SDPA training pass computes what the engine's paged-cache pass computes."""
-    head = EagleHead.random(target, version=2, seed=3)
+@pytest.mark.parametrize("version", [2, 3])
+def test_train_forward_matches_cached_head(request, version):
+    """The SDPA training pass computes what the engine's paged-cache pass computes (EAGLE-3:
+    fc over the fused features at committed positions, its own output at draft nodes)."""
+    target = request.getfixturevalue("target" if version == 2 else "target3")
+    head = EagleHead.random(target, version=version, seed=3)
     with torch.no_grad():  # non-trivial attention / MLP contributions
         for p in head.parameters():
             p.add_(torch.randn(p.shape) * 0.1)
     S = 9
     tokens = torch.randint(1, 48, (1, S))
-    features = torch.randn(1, S, 32)
+    features = torch.randn(1, S, 32 * (3 if version == 3 else 1))
     with torch.no_grad():
         ours, second = head_train_forward(head, tokens, features, steps=2)
         cache = head.new_cache(1, 16)
@@ -266,7 +270,7 @@ def test_shipped_head_drafts_for_the_default_model():
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
     )
-    ((tokens, hidden),) = generate_batch(model, [ids], 24, tok.eos_token_ids)
+    ((tokens, hidden, _),) = generate_batch(model, [ids], 24, tok.eos_token_ids)
     tok_in, feat_in, _, labels, mask = make_batch([(tokens, hidden, len(ids))])
     with torch.no_grad():
         pred = head.logits(head_train_forward(head, tok_in, feat_in)[0]).argmax(-1)
@@ -284,3 +288,164 @@ def test_prompt_datasets():
     share = sharegpt_prompts(50, seed=0)
     assert len(set(share)) == 50 and not set(share) & set(mt)
     assert sharegpt_prompts(20, seed=0) == share[:20] and sharegpt_prompts(20, seed=1) != share[:20]
+
+
+# ---------------------------------------------------------------------- EAGLE-3
+@pytest.fixture(scope="module")
+def target3():
+    """A 3-layer target (EAGLE-3 fuses three distinct layers: 0, 1, 2 here)."""
+    from test_engine import tiny_model
+
+    return tiny_model(vocab_size=48, layer_scale=0.2).requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def data_dir3(target3, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("shards3"))
+    generate_shards(
+        target3,
+        types.SimpleNamespace(eos_token_ids={EOS}),
+        PROMPTS * 3,
+        path,
+        batch_size=4,
+        max_new_tokens=16,
+        progress=False,
+        feature_layers=eagle3_feature_layers(3),
+    )
+    return path
+
+
+def test_eagle3_shards_hold_the_feature_layers_outputs(target3, data_dir3):
+    layers = eagle3_feature_layers(3)
+    assert data_feature_layers(data_dir3) == list(layers) == [0, 1, 2]
+    hidden = load_shards(data_dir3)
+    aux = load_shards(data_dir3, features="aux")
+    for (tokens, h, p), (tokens2, a, p2) in zip(hidden, aux):
+        assert torch.equal(tokens, tokens2) and p == p2 and a.shape == (len(tokens), 3 * 32)
+        cache = target3.new_cache(1, 64)
+        out = target3.prefill([tokens], cache, torch.zeros(1, dtype=torch.long), layers)
+        torch.testing.assert_close(h.float(), out.hidden[0], rtol=1e-2, atol=2e-2)
+        torch.testing.assert_close(a.float(), out.aux[0], rtol=1e-2, atol=2e-2)
+
+
+def test_hidden_only_shards_refuse_eagle3_features(data_dir):
+    assert data_feature_layers(data_dir) == []
+    with pytest.raises(InvalidRequestError, match="--features eagle3"):
+        load_shards(data_dir, features="aux")
+    with pytest.raises(InvalidRequestError, match="features must be"):
+        load_shards(data_dir, features="bogus")
+
+
+@pytest.fixture(scope="module")
+def eagle3_trained(target3, data_dir3, tmp_path_factory):
+    """(head directory, training log) of a small EAGLE-3 training (3-pass TTT, 12 tokens)."""
+    out = str(tmp_path_factory.mktemp("eagle3"))
+    seqs = load_shards(data_dir3, features="aux")
+    log = train_head(
+        target3,
+        seqs,
+        out,
+        epochs=8,
+        batch_size=2,
+        lr=3e-3,
+        save_dtype=torch.float32,
+        progress=False,
+        ttt_steps=3,
+        version=3,
+        draft_vocab=12,
+        feature_layers=data_feature_layers(data_dir3),
+        val_seqs=seqs[:4],
+    )
+    return out, log
+
+
+def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, eagle3_trained):
+    """A few steps of EAGLE-3 training (3-pass training-time test) reduce the loss; the saved
+    head loads with load_head as an EAGLE-3 head over the data's draft vocabulary and
+    predicts the data far better than a random head; the engine's greedy output with it
+    equals plain decoding at batch 1 and with a request joining a freed slot."""
+    from test_engine import run
+
+    out, log = eagle3_trained
+    seqs = load_shards(data_dir3, features="aux")
+    steps = [r for r in log if "step" in r]
+    assert len(steps) == 48 and all(len(r["acc_by_depth"]) == 3 for r in steps)
+    assert all(r["feature_loss"] == 0 for r in steps)  # EAGLE-3: token loss only
+    first = sum(r["loss"] for r in steps[:3]) / 3
+    last = sum(r["loss"] for r in steps[-3:]) / 3
+    assert last < 0.7 * first, (first, last)
+    with open(os.path.join(out, "training.json")) as f:
+        summary = json.load(f)
+    assert summary["eagle_version"] == 3 and summary["feature_layers"] == [0, 1, 2]
+    assert len(summary["held_out"][-1]["val"]["top1_by_depth"]) == 3
+
+    head = load_head(out, target3)
+    assert head.version == 3 and head.feature_layers == (0, 1, 2)
+    assert head.draft_vocab_size == 12
+    counts = torch.bincount(torch.cat([t[p:] for t, _, p in seqs]), minlength=48)
+    want = torch.sort(torch.argsort(-counts, stable=True)[:12]).values
+    assert torch.equal(head.draft_to_target(torch.arange(12)), want)
+
+    def top1(h):
+        tok_in, feat_in, _, labels, mask = make_batch(seqs)
+        with torch.no_grad():
+            pred = h.logits(head_train_forward(h, tok_in, feat_in)[0]).argmax(-1)
+        return (pred[mask] == labels[mask]).float().mean().item()
+
+    random_head = EagleHead.random(target3, version=3, seed=0, draft_vocab_size=12)
+    random_head.d2t.copy_(want - torch.arange(12))
+    trained, untrained = top1(head), top1(random_head)
+    assert trained > untrained + 0.25, (trained, untrained)
+
+    prompts = PROMPTS  # the training prompts: the head knows these answers
+    for batch_size in (1, 3):  # 3 slots, 4 requests: one joins a freed slot
+        plain, _ = run(target3, None, "chain:1", batch_size, prompts=prompts)
+        spec, stats = run(target3, head, "chain:3", batch_size, prompts=prompts)
+        assert spec == plain
+        assert stats.mean_acceptance_length > 1.2  # the trained drafts do get accepted
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "dynamic:3,3,8"])
+def test_sampled_output_with_a_trained_eagle3_head_follows_plain(target3, eagle3_trained, tree):
+    """Sampled drafts from the trained head's 12-token draft vocabulary (draft_probs zero
+    outside it): the output distribution is plain decoding's (two-sample test)."""
+    from test_engine import SAMPLING, first_tokens, same_distribution_pvalue
+
+    head = load_head(eagle3_trained[0], target3)
+    plain = first_tokens(target3, None, "chain:1", SAMPLING["t1"])
+    spec = first_tokens(target3, head, tree, SAMPLING["t1"])
+    assert same_distribution_pvalue(spec, plain) > 1e-3
+
+
+def test_eagle3_training_refuses_hidden_only_features(target3, data_dir3, tmp_path):
+    with pytest.raises(InvalidRequestError, match="features of width 96"):
+        train_head(target3, load_shards(data_dir3), str(tmp_path), version=3, progress=False)
+    with pytest.raises(InvalidRequestError, match="ttt_steps"):
+        train_head(target3, load_shards(data_dir3), str(tmp_path), ttt_steps=0, progress=False)
+
+
+def test_cli_train_eagle_version_3(
+    target, target3, data_dir, data_dir3, tmp_path, monkeypatch, capsys
+):
+    from specdec.cli import main
+
+    def cli(model, data, out):
+        monkeypatch.setattr("specdec.loader.load_model", lambda *a, **k: (model, None))
+        main(
+            ["train-head", "--eagle-version", "3", "--ttt-steps", "2", "--draft-vocab", "10",
+             "--output", out, "--data-dir", data, "--stage", "train", "--epochs", "1",
+             "--batch-size", "2", "--dtype", "float32", "--no-progress"]
+        )  # fmt: skip
+
+    out = str(tmp_path / "cli3")
+    cli(target3, data_dir3, out)
+    head = load_head(out, target3)
+    assert head.version == 3 and head.draft_vocab_size == 10
+    with open(os.path.join(out, "training.json")) as f:
+        summary = json.load(f)
+    assert summary["ttt_steps"] == 2 and summary["noise"] == 0.0  # EAGLE-3's default
+    with pytest.raises(SystemExit):
+        cli(target, data_dir, str(tmp_path / "refused"))  # hidden-only data
+    assert "holds no EAGLE-3 features: generate it with --features eagle3" in (
+        capsys.readouterr().err
+    )

@@ -1,17 +1,22 @@
-"""`specdec train-head`: train an EAGLE-1/2 draft head for a target model, on CPU or GPU.
+"""`specdec train-head`: train an EAGLE-2 or EAGLE-3 draft head for a target model, on CPU
+or GPU.
 
 1. Self-distillation (`generate_shards`): the target answers ShareGPT first-turn prompts
    itself (greedy by default), in batches, and the final-norm hidden state of every
-   position (the feature an EAGLE-1/2 head reads) is kept. Each batch of prompts becomes
-   one append-only shard (safetensors: token ids int32, hidden bf16), so an interrupted
-   run resumes at the first missing shard.
-2. Training (`train_head`): the head reads (token t + 1, feature t) and regresses feature
-   t + 1 (smooth L1, weight 1.0) while the target's frozen lm_head turns its output into
-   next-token logits (cross-entropy against token t + 2, weight 0.1), as in EAGLE; only
-   positions that predict generated tokens count. Input features get uniform noise
-   (EAGLE's data augmentation for the head's own, imperfect features at depth >= 2).
-   Checkpoints (head + optimiser + step) resume; the result is a head directory that
-   `specdec.eagle.load_head` reads.
+   position (the feature an EAGLE-1/2 head reads) is kept, with `--features eagle3` also
+   the pre-norm outputs of EAGLE-3's three feature layers (aux). Each batch of prompts
+   becomes one append-only shard (safetensors: token ids int32, hidden / aux bf16), so an
+   interrupted run resumes at the first missing shard.
+2. Training (`train_head`): EAGLE-2: the head reads (token t + 1, feature t) and regresses
+   feature t + 1 (smooth L1, weight 1.0) while the target's frozen lm_head turns its output
+   into next-token logits (cross-entropy against token t + 2, weight 0.1), as in EAGLE;
+   input features get uniform noise (EAGLE's augmentation for the head's own, imperfect
+   features at depth >= 2). EAGLE-3 (`--eagle-version 3`): the head reads the fused layer
+   outputs and is trained by cross-entropy alone, over its own lm_head's draft vocabulary,
+   at every pass of the training-time test (`--ttt-steps`: pass s drafts depth s from the
+   head's own outputs of the passes before). Only positions that predict generated tokens
+   count. Checkpoints (head + optimiser + step) resume; the result is a head directory
+   that `specdec.eagle.load_head` reads.
 """
 
 import json
@@ -53,18 +58,29 @@ def _pick(logits, temperature: float, generator):
 
 @torch.no_grad()
 def generate_batch(
-    model, prompts: list, max_new_tokens: int, eos_ids, temperature=0.0, generator=None
+    model,
+    prompts: list,
+    max_new_tokens: int,
+    eos_ids,
+    temperature=0.0,
+    generator=None,
+    feature_layers=(),
 ):
     """Continues each prompt (list of ids) until EOS or max_new_tokens.
 
-    Returns per prompt (tokens long [S], hidden [S, dim]): prompt + answer ids and the
-    target's final-norm hidden state at every position (the generated EOS included)."""
+    Returns per prompt (tokens long [S], hidden [S, dim], aux [S, len(feature_layers) * dim]):
+    prompt + answer ids, the target's final-norm hidden state at every position (the
+    generated EOS included) and the pre-norm outputs of feature_layers there (EAGLE-3's
+    features; [S, 0] without feature_layers)."""
     B = len(prompts)
     cache = model.new_cache(B, max(len(p) for p in prompts) + max_new_tokens + 1)
     slots = torch.arange(B, device=cache.k.device)
-    out = model.prefill([torch.tensor(p, device=slots.device) for p in prompts], cache, slots)
+    out = model.prefill(
+        [torch.tensor(p, device=slots.device) for p in prompts], cache, slots, feature_layers
+    )
     tokens = [list(p) for p in prompts]
     hidden = [[h] for h in out.hidden]
+    aux = [[a] for a in out.aux]
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=slots.device)
     active, nxt = slots, _pick(out.logits, temperature, generator)
     for i in range(max_new_tokens):
@@ -80,16 +96,18 @@ def generate_batch(
             torch.ones(n, dtype=torch.int32, device=slots.device),
             tree_mask,
             depth,
+            feature_layers,
         )
         cache.cache_lens[active] += 1
-        for b, t, h in zip(active.tolist(), nxt.tolist(), o.hidden[:, 0]):
+        for b, t, h, a in zip(active.tolist(), nxt.tolist(), o.hidden[:, 0], o.aux[:, 0]):
             tokens[b].append(t)
             hidden[b].append(h[None])
+            aux[b].append(a[None])
         keep = ~torch.isin(nxt, eos)
         if i == max_new_tokens - 1 or not keep.any():
             break
         active, nxt = active[keep], _pick(o.logits[keep, 0], temperature, generator)
-    return [(torch.tensor(t), torch.cat(h)) for t, h in zip(tokens, hidden)]
+    return [(torch.tensor(t), torch.cat(h), torch.cat(a)) for t, h, a in zip(tokens, hidden, aux)]
 
 
 def generate_shards(
@@ -103,12 +121,14 @@ def generate_shards(
     seed: int = 0,
     max_shards: int | None = None,
     progress: bool = True,
+    feature_layers=(),
 ) -> list:
     """Self-distillation data: shard i holds prompts [i * batch_size, (i + 1) * batch_size)
     with the target's answers; existing shards are kept (resume). Returns the shard paths.
 
     Shard tensors: tokens int32 [N] (sequences concatenated), lengths int32 [n],
-    prompt_lens int32 [n], hidden bf16 [N, dim]."""
+    prompt_lens int32 [n], hidden bf16 [N, dim], and with feature_layers (EAGLE-3 data) aux
+    bf16 [N, len(feature_layers) * dim]: the pre-norm outputs of those target layers."""
     os.makedirs(data_dir, exist_ok=True)
     # everything that decides a shard's content (not the prompt count: the prompt list is
     # prefix-stable in --num-prompts, so a run can be extended with more shards)
@@ -120,6 +140,8 @@ def generate_shards(
         "dim": model.args.dim,
         "vocab_size": model.args.vocab_size,
     }
+    if feature_layers:  # only then: older EAGLE-1/2 data directories keep their manifest
+        manifest["feature_layers"] = list(feature_layers)
     _check_manifest(data_dir, manifest)
     num_shards = math.ceil(len(prompt_ids) / batch_size)
     if max_shards is not None:
@@ -132,10 +154,10 @@ def generate_shards(
         batch = prompt_ids[i * batch_size : (i + 1) * batch_size]
         gen = torch.Generator().manual_seed(seed * 1_000_003 + i)  # per shard: resume-stable
         seqs = generate_batch(
-            model, batch, max_new_tokens, tokenizer.eos_token_ids, temperature, gen
+            model, batch, max_new_tokens, tokenizer.eos_token_ids, temperature, gen, feature_layers
         )
         _write_shard(paths[i], seqs, [len(p) for p in batch])
-        done_tokens += sum(len(t) - len(p) for (t, _), p in zip(seqs, batch))
+        done_tokens += sum(len(t) - len(p) for (t, _, _), p in zip(seqs, batch))
         if bar:
             bar.set_postfix(gen_tok_s=f"{done_tokens / (time.perf_counter() - t0):.1f}")
             bar.update(1)
@@ -161,11 +183,13 @@ def _check_manifest(data_dir, manifest):
 
 def _write_shard(path, seqs, prompt_lens):
     tensors = {
-        "tokens": torch.cat([t for t, _ in seqs]).to(torch.int32),
-        "lengths": torch.tensor([len(t) for t, _ in seqs], dtype=torch.int32),
+        "tokens": torch.cat([t for t, _, _ in seqs]).to(torch.int32),
+        "lengths": torch.tensor([len(t) for t, _, _ in seqs], dtype=torch.int32),
         "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
-        "hidden": torch.cat([h for _, h in seqs]).to(torch.bfloat16).cpu(),
+        "hidden": torch.cat([h for _, h, _ in seqs]).to(torch.bfloat16).cpu(),
     }
+    if seqs[0][2].shape[-1]:
+        tensors["aux"] = torch.cat([a for _, _, a in seqs]).to(torch.bfloat16).cpu()
     tmp = path + ".tmp"
     save_file(tensors, tmp)
     os.replace(tmp, path)  # a shard exists only once complete
@@ -180,18 +204,35 @@ def shard_paths(data_dir: str) -> list:
     ]
 
 
-def load_shards(data_dir: str, paths: list | None = None) -> list:
-    """Shards (default: all complete ones) -> list of (tokens long [S], hidden bf16 [S, dim],
-    prompt_len)."""
+def load_shards(data_dir: str, paths: list | None = None, features: str = "hidden") -> list:
+    """Shards (default: all complete ones) -> list of (tokens long [S], feature bf16 [S, F],
+    prompt_len); features: "hidden" (final-norm hidden, F = dim: EAGLE-1/2, Medusa) or "aux"
+    (the fused layer outputs of EAGLE-3 data, F = len(feature_layers) * dim)."""
+    if features not in ("hidden", "aux"):
+        raise InvalidRequestError(f"features must be 'hidden' or 'aux', got {features!r}")
     seqs = []
     for path in shard_paths(data_dir) if paths is None else paths:
         t = load_file(path)
+        if features not in t:
+            raise InvalidRequestError(
+                f"{path} holds no {features!r} features (EAGLE-3 training needs data made "
+                "with --features eagle3)"
+            )
         lengths = t["lengths"].tolist()
         for tok, hid, p in zip(
-            t["tokens"].split(lengths), t["hidden"].split(lengths), t["prompt_lens"].tolist()
+            t["tokens"].split(lengths), t[features].split(lengths), t["prompt_lens"].tolist()
         ):
             seqs.append((tok.long(), hid, p))
     return seqs
+
+
+def data_feature_layers(data_dir: str) -> list:
+    """The target layers whose outputs a data directory's shards hold as aux ([] if none)."""
+    path = os.path.join(data_dir, MANIFEST)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f).get("feature_layers", [])
 
 
 # ---------------------------------------------------------------------- training
@@ -199,11 +240,13 @@ FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's v_w / p_w
 
 
 def head_train_forward(head, tokens, features, steps: int = 1) -> list:
-    """Differentiable causal passes of an EAGLE-1/2 head over whole sequences: the maths of
+    """Differentiable causal passes of an EAGLE head over whole sequences: the maths of
     EagleHead.forward over its paged cache, with SDPA so autograd works.
 
-    tokens: long [B, S] (token t + 1 at position t); features: [B, S, dim] (feature t).
-    Returns [pred_1, ..., pred_steps], each [B, S, dim] (predicted feature t + 1). pred_1
+    tokens: long [B, S] (token t + 1 at position t); features: [B, S, F] (feature t: the
+    final-norm hidden, F = dim, for EAGLE-1/2; the fused layer outputs, F = 3 * dim, for
+    EAGLE-3). Returns [pred_1, ..., pred_steps], each [B, S, dim] (the head's output: the
+    predicted feature t + 1 for EAGLE-1/2, the pre-norm draft hidden for EAGLE-3). pred_1
     reads the target's features. Pass s > 1 is EAGLE-3's training-time test: position t
     reads pred_{s-1}[t - 1], i.e. it is the depth-s draft node below committed position
     t - s + 1, and attends to what that node sees while drafting: committed positions
@@ -214,7 +257,12 @@ def head_train_forward(head, tokens, features, steps: int = 1) -> list:
     cos, sin = head._rope(torch.arange(S, device=tokens.device)[None].expand(B, S))
     gqa = head.args.n_heads != head.args.n_kv_heads
     keys, values, preds = [], [], []
-    feats = features
+    v3 = head.version == 3
+    # EAGLE-3 reads fc(fused features) at committed positions and its own dim-wide output
+    # at draft nodes (fc skipped, as EagleHead.forward does); EAGLE-1/2 always runs fc
+    feats = head.fc(features) if v3 else features
+    if v3:
+        emb_normed = head.layer.attention_norm(emb)
     for step in range(1, steps + 1):
         mask = _draft_mask(S, step, tokens.device)
 
@@ -231,11 +279,15 @@ def head_train_forward(head, tokens, features, steps: int = 1) -> list:
             )
             return out.transpose(1, 2)
 
-        x = head.fc(torch.cat((emb, feats), dim=-1))
-        preds.append(
-            head.layer(x, cos, sin, attend)
-        )  # attention_norm is the identity for EAGLE-1/2
-        feats = torch.cat((features[:, :1], preds[-1][:, :-1]), dim=1)
+        if v3:
+            attn_in = torch.cat((emb_normed, head.hidden_norm(feats)), dim=-1)
+            preds.append(head.layer(feats, cos, sin, attend, attn_in=attn_in))
+            first = feats[:, :1]  # row 0 of later passes is ignored: any dim-wide value
+        else:
+            x = head.fc(torch.cat((emb, feats), dim=-1))
+            preds.append(head.layer(x, cos, sin, attend))  # attention_norm is the identity
+            first = features[:, :1]
+        feats = torch.cat((first, preds[-1][:, :-1]), dim=1)
     return preds
 
 
@@ -270,35 +322,40 @@ def make_batch(seqs: list, device=None):
 
 
 def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
-    """EAGLE-1/2 loss of one batch, averaged over `steps` training-time-test passes ->
-    (loss, feature loss, token loss, [top-1 accuracy of each pass = draft depth]).
+    """The loss of one batch, averaged over `steps` training-time-test passes -> (loss,
+    feature loss, token loss, [top-1 accuracy of each pass = draft depth]).
 
-    vocab: sorted long [Vs] target ids the cross-entropy ranges over (labels outside it,
-    which a head drafting over that vocabulary can never propose, are left out)."""
+    EAGLE-1/2: smooth-L1 feature regression + TOKEN_WEIGHT x cross-entropy through the
+    target's lm_head rows `vocab`. EAGLE-3: cross-entropy over the head's own draft
+    vocabulary only (no feature regression; feature loss 0). vocab: sorted long [Vs] target
+    ids the cross-entropy ranges over (for EAGLE-3 the draft vocabulary, draft id i = vocab[i]);
+    labels outside it, which the head can never propose, are left out of the loss (and count
+    as misses in the accuracy)."""
     tok_in, feat_in, feat_out, labels, mask = batch
     if noise:
         rms = feat_in.pow(2).mean(-1, keepdim=True).sqrt()
         u = torch.rand(feat_in.shape, generator=generator, device=feat_in.device)
         feat_in = feat_in + (u - 0.5) * noise * rms
-    w = head.target.output.weight[vocab].float()
-    fl, tl, accs = 0.0, 0.0, []
+    v3 = head.version == 3
+    w = None if v3 else head.target.output.weight[vocab].float()
+    fl, tl, accs = feat_in.new_zeros(()), 0.0, []
     for step, pred in enumerate(head_train_forward(head, tok_in, feat_in, steps)):
         m = mask.clone()
         m[:, :step] = False  # no committed ancestor
         index = torch.searchsorted(vocab, labels[m]).clamp(max=len(vocab) - 1)
         known = vocab[index] == labels[m]
-        logits = pred[m][known] @ w.T
-        fl = fl + F.smooth_l1_loss(pred[m], feat_out[m], reduction="none").mean(-1).mean() / steps
-        tl = (
-            tl
-            + F.cross_entropy(logits, index[known], reduction="sum")
-            / max(1, int(known.sum()))
-            / steps
-        )
+        if v3:
+            logits = head.draft_logits(pred[m][known])
+        else:
+            logits = pred[m][known] @ w.T
+            fl = fl + F.smooth_l1_loss(pred[m], feat_out[m], reduction="none").mean(-1).mean()
+        tl = tl + F.cross_entropy(logits, index[known], reduction="sum") / max(1, int(known.sum()))
         accs.append(
             (logits.argmax(-1) == index[known]).float().sum().item() / max(1, m.sum().item())
         )
-    return FEATURE_WEIGHT * fl + TOKEN_WEIGHT * tl, fl, tl, accs
+    fl, tl = fl / steps, tl / steps
+    loss = tl if v3 else FEATURE_WEIGHT * fl + TOKEN_WEIGHT * tl
+    return loss, fl, tl, accs
 
 
 def train_head(
@@ -318,20 +375,38 @@ def train_head(
     max_steps: int | None = None,
     val_seqs: list | None = None,
     ttt_steps: int = 1,
+    version: int = 2,
+    feature_layers: tuple | None = None,
 ):
-    """Trains a fresh EAGLE-2 head on self-distillation sequences and saves it to `output`
-    (resuming from output/checkpoint.pt if present); ttt_steps > 1 adds training-time-test
-    passes on the head's own predictions (EAGLE-3 style); val_seqs (held-out sequences) are
-    scored at the end of every epoch. Returns the per-step log [{"step", "loss",
-    "feature_loss", "token_loss", "acc"}] of this call (plus {"epoch", "val"} records)."""
-    from ..eagle import EagleHead
+    """Trains a fresh EAGLE-2 or EAGLE-3 head on self-distillation sequences and saves it to
+    `output` (resuming from output/checkpoint.pt if present); ttt_steps > 1 adds
+    training-time-test passes on the head's own predictions (EAGLE-3 style); val_seqs
+    (held-out sequences) are scored at the end of every epoch, per pass.
 
+    seqs: (tokens, feature, prompt_len) as load_shards gives them: features "hidden" for
+    version 2, "aux" (the outputs of feature_layers, default eagle3_feature_layers) for
+    version 3. An EAGLE-3 head gets its own lm_head over the draft vocabulary (the
+    draft_vocab most frequent generated tokens; 0: every token id in the sequences).
+    Returns the per-step log [{"step", "loss", "feature_loss", "token_loss", "acc",
+    "acc_by_depth"}] of this call (plus {"epoch", "val"} records)."""
+    from ..eagle import EagleHead, check_head_matches
+
+    if version not in (2, 3):
+        raise InvalidRequestError(f"version must be 2 or 3, got {version}")
+    if ttt_steps < 1:
+        raise InvalidRequestError(f"ttt_steps must be >= 1, got {ttt_steps}")
     seqs = [s for s in seqs if len(s[0]) - 2 > max(s[2] - 2, 0)]  # something to predict
     if not seqs:
         raise InvalidRequestError("no training sequence with generated tokens")
+    width = seqs[0][1].shape[-1]
+    want = (3 if version == 3 else 1) * target.args.dim
+    if width != want:
+        raise InvalidRequestError(
+            f"an EAGLE-{version} head reads features of width {want}, the data has {width} "
+            "(EAGLE-3 needs the 'aux' features of data made with --features eagle3)"
+        )
     os.makedirs(output, exist_ok=True)
     target = target.float().requires_grad_(False)
-    head = EagleHead.random(target, version=2, seed=seed).float()
     # Cross-entropy over the tokens the data uses (a sampled softmax: the full 49k-way
     # product would cost ~7x the head itself per token on CPU).
     vocab = (
@@ -341,6 +416,15 @@ def train_head(
     )
     if draft_vocab:
         vocab = frequent_tokens(seqs, draft_vocab)
+    if version == 3:  # its lm_head ranges over exactly the draft vocabulary
+        head = EagleHead.random(target, version=3, seed=seed, draft_vocab_size=len(vocab))
+        if feature_layers is not None:
+            head.feature_layers = tuple(feature_layers)
+            check_head_matches(head, target)
+        head.d2t.copy_(vocab - torch.arange(len(vocab)))
+    else:
+        head = EagleHead.random(target, version=2, seed=seed)
+    head = head.float()
     device = target.tok_embeddings.weight.device  # the target's: a GPU trains much faster
     vocab = vocab.to(device)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -393,7 +477,10 @@ def train_head(
             _checkpoint(os.path.join(output, CHECKPOINT), head, opt, sched, step)
         if val_seqs and (step % steps_per_epoch == 0 or step == total):
             log.append(
-                {"epoch": step / steps_per_epoch, "val": evaluate(head, val_seqs, batch_size)}
+                {
+                    "epoch": step / steps_per_epoch,
+                    "val": evaluate(head, val_seqs, batch_size, ttt_steps),
+                }
             )
             msg = f"epoch {step / steps_per_epoch:.2f}: held-out {log[-1]['val']}"
             if bar:
@@ -403,7 +490,7 @@ def train_head(
     if bar:
         bar.close()
     if step == total:
-        if draft_vocab:
+        if draft_vocab and version < 3:
             head.set_draft_vocab(vocab.cpu())
         head.to(save_dtype).save(output)
         summary = {
@@ -413,6 +500,8 @@ def train_head(
             "lr": lr,
             "noise": noise,
             "ttt_steps": ttt_steps,
+            "eagle_version": version,
+            "feature_layers": list(head.feature_layers),
             "sequences": len(seqs),
             "vocab_for_ce": len(vocab),
             "draft_vocab": draft_vocab or target.args.vocab_size,
@@ -426,19 +515,28 @@ def train_head(
 
 
 @torch.no_grad()
-def evaluate(head, seqs: list, batch_size: int = 8) -> dict:
-    """Teacher-forced depth-1 metrics on held-out sequences, over the full vocabulary:
-    {"feature_loss", "top1"} (top-1 = how often the first draft would be accepted, greedy)."""
-    fl, hits, n = 0.0, 0, 0
+def evaluate(head, seqs: list, batch_size: int = 8, steps: int = 1) -> dict:
+    """Teacher-forced metrics on held-out sequences, over the full vocabulary: {"top1",
+    "top1_by_depth", "positions"} (+ "feature_loss" for EAGLE-1/2). top1 = how often the
+    first draft would be accepted (greedy); top1_by_depth[s - 1] = the same for pass s of
+    the training-time test (the depth-s draft node given the head's own deeper features)."""
+    fl, hits, n = 0.0, [0] * steps, [0] * steps
     for i in range(0, len(seqs), batch_size):
         tok_in, feat_in, feat_out, labels, mask = make_batch(
             seqs[i : i + batch_size], head.fc.weight.device
         )
-        pred = head_train_forward(head, tok_in, feat_in)[0][mask]
-        fl += F.smooth_l1_loss(pred, feat_out[mask], reduction="none").mean(-1).sum().item()
-        hits += (head.logits(pred).argmax(-1) == labels[mask]).sum().item()
-        n += len(pred)
-    return {"feature_loss": round(fl / n, 4), "top1": round(hits / n, 4), "positions": n}
+        for step, pred in enumerate(head_train_forward(head, tok_in, feat_in, steps)):
+            m = mask.clone()
+            m[:, :step] = False  # no committed ancestor
+            if step == 0 and head.version < 3:
+                fl += F.smooth_l1_loss(pred[m], feat_out[m], reduction="none").mean(-1).sum().item()
+            hits[step] += (head.logits(pred[m]).argmax(-1) == labels[m]).sum().item()
+            n[step] += int(m.sum())
+    top1 = [round(h / max(1, c), 4) for h, c in zip(hits, n)]
+    out = {"top1": top1[0], "top1_by_depth": top1, "positions": n[0]}
+    if head.version < 3:
+        out["feature_loss"] = round(fl / max(1, n[0]), 4)
+    return out
 
 
 # ---------------------------------------------------------------------- command line
@@ -483,6 +581,14 @@ def add_arguments(p):
     )
     p.add_argument("--max-shards", type=int, help="stop data generation after this many shards")
     p.add_argument(
+        "--features",
+        choices=("hidden", "eagle3"),
+        default="hidden",
+        help="what generated shards store per position: the final-norm hidden (EAGLE-1/2, "
+        "Medusa; 2 * dim bytes) or also the outputs of EAGLE-3's three feature layers (both "
+        "EAGLE-2 and EAGLE-3 train on it; 8 * dim bytes)",
+    )
+    p.add_argument(
         "--gen-dtype",
         choices=("bfloat16", "float32"),
         default="float32",
@@ -491,6 +597,15 @@ def add_arguments(p):
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--eagle-version",
+        type=int,
+        choices=(2, 3),
+        default=2,
+        help="eagle kind: 2 = EAGLE-2 head over the final-norm hidden (default); 3 = EAGLE-3 "
+        "head over the fused outputs of three target layers, with its own lm_head over the "
+        "--draft-vocab (needs data made with --features eagle3)",
+    )
     p.add_argument(
         "--ttt-steps",
         type=int,
@@ -501,8 +616,8 @@ def add_arguments(p):
     p.add_argument(
         "--noise",
         type=float,
-        default=0.2,
-        help="uniform feature noise width, relative to the feature RMS",
+        help="uniform feature noise width, relative to the feature RMS (default 0.2 for "
+        "EAGLE-2, 0 for EAGLE-3, whose training-time test takes its place)",
     )
     p.add_argument(
         "--full-vocab-ce",
@@ -515,7 +630,8 @@ def add_arguments(p):
         default=0,
         metavar="N",
         help="draft over the N most frequent generated tokens only (stored as d2t; cuts the "
-        "draft lm_head cost by V / N); 0 = the whole vocabulary (default)",
+        "draft lm_head cost by V / N); 0 = the whole vocabulary (default; for EAGLE-3: "
+        "every token id in the data)",
     )
     p.add_argument(
         "--val-shards", type=int, default=1, help="last shards held out for per-epoch validation"
@@ -538,6 +654,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from ..eagle import eagle3_feature_layers
     from ..loader import load_model, resolve_device
     from .data import sharegpt_prompts
 
@@ -554,6 +671,9 @@ def run(args) -> int:
         prompts = tokenize_prompts(
             tokenizer, sharegpt_prompts(args.num_prompts, args.seed), args.max_prompt_tokens
         )
+        feature_layers = (
+            eagle3_feature_layers(model.args.n_layers) if args.features == "eagle3" else ()
+        )
         generate_shards(
             model,
             tokenizer,
@@ -565,6 +685,7 @@ def run(args) -> int:
             args.seed,
             args.max_shards,
             progress,
+            feature_layers,
         )
     if args.stage in ("all", "train"):
         model, _ = load_model(args.model, device=device)
@@ -595,21 +716,31 @@ def run(args) -> int:
                 val_seqs=load_shards(data_dir, shards[cut:]),
             )
             return 0
+        features, feature_layers = "hidden", None
+        if args.eagle_version == 3:
+            features, feature_layers = "aux", data_feature_layers(data_dir)
+            if not feature_layers:
+                raise InvalidRequestError(
+                    f"{data_dir} holds no EAGLE-3 features: generate it with --features eagle3"
+                )
+        noise = args.noise if args.noise is not None else (0.2 if args.eagle_version < 3 else 0.0)
         train_head(
             model,
-            load_shards(data_dir, shards[:cut]),
+            load_shards(data_dir, shards[:cut], features),
             args.output,
             epochs=args.epochs,
             batch_size=args.batch_size,
             lr=args.lr,
-            noise=args.noise,
+            noise=noise,
             full_vocab_ce=args.full_vocab_ce,
             draft_vocab=args.draft_vocab,
             checkpoint_every=args.checkpoint_every,
             save_dtype=getattr(torch, args.dtype),
             seed=args.seed,
             progress=progress,
-            val_seqs=load_shards(data_dir, shards[cut:]),
+            val_seqs=load_shards(data_dir, shards[cut:], features),
             ttt_steps=args.ttt_steps,
+            version=args.eagle_version,
+            feature_layers=feature_layers,
         )
     return 0
