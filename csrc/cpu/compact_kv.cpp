@@ -8,6 +8,7 @@
 // row are adjacent (NHD pages), else one of D elements per head (HND pages).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ops.h"
@@ -64,15 +65,30 @@ void compact_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
         return int64_t(bt[b * max_blocks + pos / block_size]) * c.block +
                (pos % block_size) * c.row;
       };
-      const int64_t cache_len = cl[b];        // int64: cache_len + node may pass 2^31 - 1
-      for (int64_t k = 1; k <= na[b]; ++k) {  // k = 0 is the root: already in place
-        const int64_t src = row(cache_len + acc[b * T + k]), dst = row(cache_len + k);
-        if (src == dst) continue;
+      const int64_t cache_len = cl[b];  // int64: cache_len + node may pass 2^31 - 1
+      // Positions in chunks of kChunk: their offsets are computed once (two divisions
+      // each); with heads apart (HND) the chunk is then copied head by head, so that the
+      // rows of consecutive positions (D elements apart within a block) are written one
+      // after the other. Per head the order stays increasing in k: overlapping moves are safe
+      // (heads never share memory: checks.cpp).
+      constexpr int64_t kChunk = 64;
+      int64_t src[kChunk], dst[kChunk];
+      for (int64_t k0 = 1; k0 <= na[b]; k0 += kChunk) {  // k = 0 is the root: in place
+        const int64_t n = std::min(kChunk, na[b] - k0 + 1);
+        for (int64_t i = 0; i < n; ++i) {
+          src[i] = row(cache_len + acc[b * T + k0 + i]);
+          dst[i] = row(cache_len + k0 + i);
+        }
         if (whole_row) {
-          std::memcpy(layer + dst, layer + src, Hkv * head_bytes);
-        } else {
-          for (int64_t h = 0; h < Hkv; ++h) {
-            copy_head(layer + dst + h * c.head, layer + src + h * c.head, head_bytes);
+          for (int64_t i = 0; i < n; ++i) {
+            if (src[i] != dst[i]) std::memcpy(layer + dst[i], layer + src[i], Hkv * head_bytes);
+          }
+          continue;
+        }
+        for (int64_t h = 0; h < Hkv; ++h) {
+          char* plane = layer + h * c.head;
+          for (int64_t i = 0; i < n; ++i) {
+            if (src[i] != dst[i]) copy_head(plane + dst[i], plane + src[i], head_bytes);
           }
         }
       }

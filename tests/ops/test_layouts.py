@@ -264,3 +264,20 @@ def test_opcheck_on_views(device):
     c = make_compact_case("flashinfer_hnd", torch.float32, device, (2,))
     k, v = c["op_views"](c["tensors"])
     torch.library.opcheck(torch.ops.specdec.compact_kv, (k, v, *c["args"]))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "flashinfer_hnd"])
+def test_compact_kv_long_overlapping_path(layout, device):
+    """A 148-node path shifted down by one (every step overlaps the next source) crosses the
+    CPU kernel's 64-position chunks and many blocks."""
+    T, bs = 150, 4
+    case = make_compact_case(layout, torch.float32, device, (2,), B=1, T=T, bs=bs)
+    table, cache_lens, _, _ = case["args"]
+    path = torch.tensor([[0, *range(2, T), -1]], dtype=torch.int32, device=device)  # [1, T]
+    case["args"] = (
+        table,
+        cache_lens,
+        path,
+        torch.tensor([T - 2], dtype=torch.int32, device=device),
+    )
+    check_compact(case, "cpp")
