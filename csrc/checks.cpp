@@ -1,10 +1,13 @@
 #include "checks.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <utility>
+#include <vector>
 
 namespace specdec {
 namespace {
@@ -97,6 +100,89 @@ void check_block_table_values(const at::Tensor& block_table, const at::Tensor& e
   }
 }
 
+// K / V caches and q are read (and compact_kv's caches written) through their strides: any
+// view whose last dimension is contiguous works (NHD or HND pages, halves of a joint KV
+// tensor, a token pool as block size 1). Strides must be >= 0: the kernels compute int64
+// offsets as sum(index * stride) and bound them with the sizes only.
+void check_layout(const at::Tensor& t, const char* name) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    TORCH_CHECK(t.stride(d) >= 0, name, " must not have negative strides, got strides ",
+                t.strides(), " (shape ", t.sizes(), ")");
+  }
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, name,
+              " must have a contiguous last dimension (stride 1), got strides ", t.strides(),
+              " (shape ", t.sizes(), ")");
+}
+
+// The dimensions of t that move through memory (size > 1, stride > 0), largest stride first.
+std::vector<std::pair<int64_t, int64_t>> moving_dims(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (size, stride)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) > 0) dims.emplace_back(t.size(d), t.stride(d));
+  }
+  std::sort(dims.begin(), dims.end(), [](auto a, auto b) { return a.second > b.second; });
+  return dims;
+}
+
+// True when an element at offset x of a tensor with these dims (sorted by moving_dims) and
+// an element at offset x + delta exist: delta = sum z_d * stride_d with |z_d| < size_d.
+// Depth-first over the dims: with the larger strides fixed, only the z that leave a
+// remainder the smaller ones can still reach are tried (one or two for nested layouts;
+// more than 64 candidates count as reachable, a conservative answer).
+bool offset_reachable(const std::vector<std::pair<int64_t, int64_t>>& dims, size_t i,
+                      int64_t delta) {
+  if (i == dims.size()) return delta == 0;
+  int64_t rest = 0;  // the largest |offset| the dims after i can add
+  for (size_t j = i + 1; j < dims.size(); ++j) rest += (dims[j].first - 1) * dims[j].second;
+  const auto [n, s] = dims[i];
+  const auto floor_div = [](int64_t a, int64_t b) { return a / b - (a % b != 0 && a < 0); };
+  const int64_t lo = std::max(-(n - 1), -floor_div(rest - delta, s));
+  const int64_t hi = std::min(n - 1, floor_div(delta + rest, s));
+  if (hi - lo > 64) return true;
+  for (int64_t z = lo; z <= hi; ++z) {
+    if (offset_reachable(dims, i + 1, delta - z * s)) return true;
+  }
+  return false;
+}
+
+// compact_kv writes through k_cache and v_cache: no element may be reachable by two indices
+// (a moved row would overwrite another row of the same cache), and K and V must not share
+// an element (moving K would clobber V). Views into one joint KV tensor ([2, num_blocks,
+// ...][0] and [1], or [num_blocks, 2, ...][:, 0] and [:, 1]) pass: their elements interleave
+// but never coincide.
+void check_no_overlap(const at::Tensor& k, const at::Tensor& v) {
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{k, "k_cache"}, {v, "v_cache"}}) {
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      TORCH_CHECK(t.size(d) == 1 || t.stride(d) != 0, name,
+                  " must not overlap itself (a stride-0 dimension of size > 1), got strides ",
+                  t.strides(), " (shape ", t.sizes(), ")");
+    }
+    // Non-overlap, sufficient: sorted by stride, each stride exceeds the span of the smaller.
+    const auto dims = moving_dims(t);
+    int64_t span = 0;
+    for (auto it = dims.rbegin(); it != dims.rend(); ++it) {
+      TORCH_CHECK(it->second > span, name,
+                  " must not overlap itself: its strides must nest (each larger than the span "
+                  "of the smaller ones), got strides ",
+                  t.strides(), " (shape ", t.sizes(), ")");
+      span += (it->first - 1) * it->second;
+    }
+  }
+  if (!k.has_storage() || !v.has_storage() || !k.storage().is_alias_of(v.storage())) return;
+  int64_t k_span = 1, v_span = 1;  // elements from the first to one past the last
+  for (int64_t d = 0; d < k.dim(); ++d) {
+    k_span += (k.size(d) - 1) * k.stride(d);
+    v_span += (v.size(d) - 1) * v.stride(d);
+  }
+  const int64_t k0 = k.storage_offset(), v0 = v.storage_offset();
+  if (k0 + k_span <= v0 || v0 + v_span <= k0) return;  // disjoint ranges
+  TORCH_CHECK(k.strides() == v.strides() && !offset_reachable(moving_dims(k), 0, v0 - k0),
+              "k_cache and v_cache overlap in memory (moving K would overwrite V): k_cache "
+              "strides ",
+              k.strides(), " at offset ", k0, ", v_cache strides ", v.strides(), " at offset ", v0);
+}
+
 }  // namespace
 
 // Process-wide SPECDEC_VALIDATE: set by the Python loader (specdec_kernels.envs) through
@@ -147,8 +233,9 @@ void check_tree_verify(const at::Tensor& q, const at::Tensor& k_cache, const at:
               ") must match q dtype (", q.scalar_type(), ")");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", v_cache.sizes(),
               " must equal k_cache shape ", k_cache.sizes());
-  TORCH_CHECK(k_cache.is_contiguous(), "k_cache must be contiguous");
-  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  check_layout(q, "q");
+  check_layout(k_cache, "k_cache");
+  check_layout(v_cache, "v_cache");
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(2);
   TORCH_CHECK(B >= 1 && T >= 1, "q must have B >= 1 and T >= 1, got shape ", q.sizes());
@@ -286,9 +373,10 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
               " must equal k_cache shape ", k_cache.sizes());
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache dtype (",
               v_cache.scalar_type(), ") must match k_cache dtype (", k_cache.scalar_type(), ")");
-  TORCH_CHECK(k_cache.is_contiguous(), "k_cache must be contiguous");
-  TORCH_CHECK(v_cache.is_contiguous(), "v_cache must be contiguous");
+  check_layout(k_cache, "k_cache");
+  check_layout(v_cache, "v_cache");
   TORCH_CHECK(!k_cache.is_same(v_cache), "k_cache and v_cache must be different tensors");
+  check_no_overlap(k_cache, v_cache);
   {
     const int64_t nd = k_cache.dim();
     TORCH_CHECK(k_cache.size(nd - 4) >= 1 && k_cache.size(nd - 3) >= 1,

@@ -3,7 +3,8 @@
 // This file is the one place the op contract is written in C++ (docs/ops.md documents
 // it for users). Every registered implementation runs the shared checks of checks.h
 // and normalises index / parameter dtypes before handing contiguous tensors to the
-// backend kernels declared in ops.h.
+// backend kernels declared in ops.h; q and the K/V caches go through as they are (the
+// kernels read them through their strides: no copy).
 #include "ops.h"
 
 #include <torch/library.h>
@@ -47,7 +48,7 @@ at::Tensor tree_verify_impl(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& tree_mask, double sm_scale) {
   check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
                     should_check_values(q));
-  return Kernel(q.contiguous(), k_cache, v_cache, as_index(block_table), as_index(cache_lens),
+  return Kernel(q, k_cache, v_cache, as_index(block_table), as_index(cache_lens),
                 as_index(num_nodes), tree_mask.contiguous(), sm_scale);
 }
 

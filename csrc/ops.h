@@ -6,7 +6,11 @@
 //   * index tensors (parents, num_nodes, cache_lens, block_table, top_k,
 //     draft_tokens, accepted_nodes, num_accepted) are contiguous int32,
 //   * float parameters (temperature, top_p, uniforms) are contiguous float32,
-//   * q / caches / logits / draft_probs are contiguous.
+//   * logits / draft_probs are contiguous,
+//   * q and the K/V caches are views with a contiguous last dimension and non-negative
+//     strides (check_layout); the kernels read (compact_kv: write) them through their
+//     strides, and compact_kv's K and V do not overlap in memory. tree_verify's output is
+//     a new contiguous [B, T, Hq, D] tensor.
 #pragma once
 
 #include <torch/types.h>

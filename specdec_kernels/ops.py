@@ -80,10 +80,13 @@ def tree_verify(
     """Tree attention of the verification pass over a paged KV cache.
 
     Args:
-        q: [B, T, Hq, D] float32, float16 or bfloat16.
+        q: [B, T, Hq, D] float32, float16 or bfloat16; any view with a contiguous last dim
+            (e.g. a slice of the fused QKV output).
         k_cache: [num_blocks, block_size, Hkv, D], q's dtype, Hq % Hkv == 0; holds the
             prefix at logical positions < cache_lens[b] and tree node i at cache_lens[b] + i.
-        v_cache: [num_blocks, block_size, Hkv, D], like k_cache.
+            Any view with a contiguous last dim (NHD / HND pages, half of a joint KV tensor,
+            a token pool as block size 1: docs/ops.md, Layouts); read in place.
+        v_cache: [num_blocks, block_size, Hkv, D], like k_cache (its own strides).
         block_table: [B, max_blocks] int32 (or int64); logical position p of request b is
             row p % block_size of block block_table[b, p // block_size].
         cache_lens: [B] int32 (or int64), the prefix length of each request.
@@ -93,7 +96,7 @@ def tree_verify(
         backend: "cpp", "triton" or "reference" (default $SPECDEC_BACKEND or "cpp").
 
     Returns:
-        [B, T, Hq, D] in q's dtype; rows i >= num_nodes[b] are zero.
+        [B, T, Hq, D] in q's dtype, contiguous; rows i >= num_nodes[b] are zero.
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
@@ -212,8 +215,10 @@ def compact_kv(
 
     Args:
         k_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size, Hkv, D],
+            modified in place; any view with a contiguous last dim that does not overlap
+            itself (docs/ops.md, Layouts).
+        v_cache: same shape and dtype as k_cache (its own strides), not overlapping k_cache,
             modified in place.
-        v_cache: same shape and dtype as k_cache, modified in place.
         block_table: [B, max_blocks] int32 (or int64).
         cache_lens: [B] int32 (or int64).
         accepted_nodes: [B, T] int32 (or int64), the root path starting with 0, -1 padded.

@@ -27,8 +27,10 @@ import torch
 from ._library import value_checks_run
 
 __all__ = [
+    "KV_LAYOUTS",
     "TREE_KINDS",
     "free_device_bytes",
+    "kv_layout",
     "l2_bytes",
     "measure_copy_bandwidth",
     "random_block_table",
@@ -113,6 +115,64 @@ def random_block_table(
     assert num_blocks >= B * blocks_per_seq
     perm = torch.randperm(num_blocks, generator=gen)[: B * blocks_per_seq]
     return perm.view(B, blocks_per_seq).to(torch.int32)
+
+
+# --------------------------------------------------------------------------- KV-cache layouts
+# Each engine's own KV-cache allocation, and the views through which it passes its cache to
+# the ops: the logical [*lead, num_blocks, block_size, Hkv, D] (lead: () or (L,) layers).
+# Token pools need block size 1 (num_blocks = tokens); transformers has one block of S
+# positions per request (num_blocks = B, block_size = S).
+KV_LAYOUTS = (
+    "contiguous",  # separate [NB, bs, Hkv, D] tensors
+    "vllm_flash",  # vLLM FlashAttention: [2, NB, bs, Hkv, D], K = kv[0]
+    "flashinfer_nhd",  # vLLM / FlashInfer NHD: [NB, 2, bs, Hkv, D], K = kv[:, 0]
+    "flashinfer_hnd",  # FlashInfer HND: [NB, 2, Hkv, bs, D], K = kv[:, 0].transpose(1, 2)
+    "sglang_pool",  # SGLang token pool [tokens, Hkv, D] per layer, K = pool.unsqueeze(1)
+    "transformers",  # transformers [B, Hkv, S, D] per layer, K = cache.transpose(1, 2)
+)
+
+
+def kv_layout(
+    name: str,
+    lead: tuple[int, ...],
+    num_blocks: int,
+    block_size: int,
+    Hkv: int,
+    D: int,
+    dtype: torch.dtype = torch.float32,
+    device: Device = None,
+) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]]:
+    """(tensors, views): the random tensors engine `name` allocates, and views(tensors) ->
+    (k_cache, v_cache) of logical shape [*lead, num_blocks, block_size, Hkv, D] (no copy).
+    views also applies to copies of the tensors (clone each), which the tests use."""
+    NB, bs, H = num_blocks, block_size, Hkv
+
+    def randn(*shape):
+        return torch.randn(*lead, *shape, device=device).to(dtype)
+
+    if name in ("vllm_flash", "flashinfer_nhd", "flashinfer_hnd"):
+        at = 0 if name == "vllm_flash" else 1  # where the 2 (K or V) sits among the page dims
+        hnd = name == "flashinfer_hnd"
+        page = [NB, H, bs, D] if hnd else [NB, bs, H, D]
+        page.insert(at, 2)
+
+        def joint(ts):
+            n = len(lead)
+            k, v = ts[0].select(n + at, 0), ts[0].select(n + at, 1)
+            return (k.transpose(-3, -2), v.transpose(-3, -2)) if hnd else (k, v)
+
+        return [randn(*page)], joint
+    shapes = {
+        "contiguous": ((NB, bs, H, D), lambda t: t),
+        "sglang_pool": ((NB, H, D), lambda t: t.unsqueeze(-3)),
+        "transformers": ((NB, H, bs, D), lambda t: t.transpose(-3, -2)),
+    }
+    if name not in shapes:
+        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {name!r}")
+    if name == "sglang_pool" and bs != 1:
+        raise ValueError(f"sglang_pool is a token pool: block_size must be 1, got {bs}")
+    shape, view = shapes[name]
+    return [randn(*shape), randn(*shape)], lambda ts: (view(ts[0]), view(ts[1]))
 
 
 # --------------------------------------------------------------------------- timing

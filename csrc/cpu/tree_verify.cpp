@@ -89,36 +89,51 @@ SPECDEC_INLINE typename Simd<W>::f exp2_nonpos(typename Simd<W>::f x) {
   return x < lo ? vfloat{} : p * scale;
 }
 
-// The inputs of one call, with the index arithmetic of the paged layout.
+// The inputs of one call, with the index arithmetic of the paged layout. q and the caches
+// are read through their strides (in elements; the last dimension is contiguous), so any
+// view works: NHD or HND pages, one half of a joint KV tensor, a token pool (block size 1).
 template <typename scalar_t>
 struct Problem {
-  const scalar_t* q;           // [B, T, Hq, D]
-  const scalar_t* k;           // [num_blocks, block_size, Hkv, D]
-  const scalar_t* v;           // [num_blocks, block_size, Hkv, D]
+  const scalar_t* q;           // [B, T, Hq, D], strides q_stride
+  const scalar_t* k;           // [num_blocks, block_size, Hkv, D], strides k_stride
+  const scalar_t* v;           // [num_blocks, block_size, Hkv, D], strides v_stride
   const int32_t* block_table;  // [B, max_blocks]
   const int32_t* cache_lens;   // [B]
   const int32_t* num_nodes;    // [B]
   const uint64_t* tree_mask;   // [B, T, mask_words]
   int64_t T, Hq, Hkv, D;
-  int64_t group_size;  // query heads per KV head: Hq / Hkv
-  int64_t block_size;  // positions per cache block
-  int64_t max_blocks;  // block table entries per request
-  int64_t mask_words;  // 64-bit words per tree_mask row: ceil(T / 64)
-  int64_t num_splits;  // position splits per request
-  float scale;         // sm_scale * log2(e)
-  int64_t Dp;          // D padded to kMaxCols
-  int64_t Mp;          // the most rows of any task, T * group_size, padded to kMaxPanel
+  int64_t group_size;   // query heads per KV head: Hq / Hkv
+  int64_t block_size;   // positions per cache block
+  int64_t max_blocks;   // block table entries per request
+  int64_t mask_words;   // 64-bit words per tree_mask row: ceil(T / 64)
+  int64_t num_splits;   // position splits per request
+  float scale;          // sm_scale * log2(e)
+  int64_t Dp;           // D padded to kMaxCols
+  int64_t Mp;           // the most rows of any task, T * group_size, padded to kMaxPanel
+  int64_t q_stride[3];  // q strides of b, t, head
+  int64_t k_stride[3];  // k_cache strides of block, row in block, head
+  int64_t v_stride[3];  // v_cache strides of block, row in block, head
 
   int64_t rows(int64_t b) const { return int64_t(num_nodes[b]) * group_size; }
   int64_t length(int64_t b) const { return int64_t(cache_lens[b]) + num_nodes[b]; }
-  // Offset of (logical position pos of request b, KV head h) in k / v.
-  int64_t kv_offset(int64_t b, int64_t pos, int64_t h) const {
+  // Offset of (logical position pos of request b, KV head h) in a cache with these strides.
+  int64_t kv_offset(const int64_t* stride, int64_t b, int64_t pos, int64_t h) const {
     const int64_t blk = block_table[b * max_blocks + pos / block_size];
-    return ((blk * block_size + pos % block_size) * Hkv + h) * D;
+    return blk * stride[0] + (pos % block_size) * stride[1] + h * stride[2];
   }
-  // Offset of query row m (tree node m / group_size, head h * group_size + m % group_size)
-  // in q and out.
-  int64_t q_offset(int64_t b, int64_t h, int64_t m) const {
+  const scalar_t* k_row(int64_t b, int64_t pos, int64_t h) const {
+    return k + kv_offset(k_stride, b, pos, h);
+  }
+  const scalar_t* v_row(int64_t b, int64_t pos, int64_t h) const {
+    return v + kv_offset(v_stride, b, pos, h);
+  }
+  // Query row m (tree node m / group_size, head h * group_size + m % group_size) in q.
+  const scalar_t* q_row(int64_t b, int64_t h, int64_t m) const {
+    return q + b * q_stride[0] + (m / group_size) * q_stride[1] +
+           (h * group_size + m % group_size) * q_stride[2];
+  }
+  // Offset of query row m in the (contiguous) output.
+  int64_t out_offset(int64_t b, int64_t h, int64_t m) const {
     return ((b * T + m / group_size) * Hq + h * group_size + m % group_size) * D;
   }
   // [p0, p1): the key positions of split s of request b (tile aligned, possibly empty).
@@ -209,29 +224,31 @@ SPECDEC_INLINE void update_block(const float* p, const float* vt, int64_t nt, in
   }
 }
 
-// Stages positions [p, p + nt) of (b, h) of the cache `src` (k or v) into dst [kTile, Dp]
-// as float.
+// Stages positions [p, p + nt) of (b, h) of the cache `src` (k or v, with its strides) into
+// dst [kTile, Dp] as float.
 template <typename scalar_t>
-SPECDEC_INLINE void stage_rows(const Problem<scalar_t>& P, const scalar_t* src, float* dst,
-                               int64_t b, int64_t h, int64_t p, int64_t nt) {
+SPECDEC_INLINE void stage_rows(const Problem<scalar_t>& P, const scalar_t* src,
+                               const int64_t* stride, float* dst, int64_t b, int64_t h, int64_t p,
+                               int64_t nt) {
   for (int64_t j = 0; j < nt; ++j) {
-    const scalar_t* row = src + P.kv_offset(b, p + j, h);
+    const scalar_t* row = src + P.kv_offset(stride, b, p + j, h);
     for (int64_t d = 0; d < P.D; ++d) dst[j * P.Dp + d] = static_cast<float>(row[d]);
   }
 }
 
 // Asks for the K and V rows of positions [p, p + nt) of (b, h) to be brought into the cache
-// while the previous tile computes: rows of consecutive positions are Hkv * D elements
-// apart (usually a page or more), which the hardware prefetchers do not follow.
+// while the previous tile computes: rows of consecutive positions are a row stride apart
+// (Hkv * D elements or more), which the hardware prefetchers do not follow.
 template <typename scalar_t>
 SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t h, int64_t p,
                                   int64_t nt) {
   const int64_t bytes = P.D * int64_t(sizeof(scalar_t));
   for (int64_t j = 0; j < nt; ++j) {
-    const int64_t off = P.kv_offset(b, p + j, h);
+    const char* k = reinterpret_cast<const char*>(P.k_row(b, p + j, h));
+    const char* v = reinterpret_cast<const char*>(P.v_row(b, p + j, h));
     for (int64_t i = 0; i < bytes; i += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(P.k + off) + i);
-      __builtin_prefetch(reinterpret_cast<const char*>(P.v + off) + i);
+      __builtin_prefetch(k + i);
+      __builtin_prefetch(v + i);
     }
   }
 }
@@ -293,15 +310,15 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
   const int64_t M = P.rows(b), Mr = (M + 2 * W - 1) / (2 * W) * (2 * W);
   const int64_t D = P.D, Dp = P.Dp, Mp = P.Mp;
   for (int64_t m = 0; m < Mr; ++m) {  // padding rows: zero queries, harmless scores
-    const scalar_t* src = m < M ? P.q + P.q_offset(b, h, m) : nullptr;
+    const scalar_t* src = m < M ? P.q_row(b, h, m) : nullptr;
     for (int64_t d = 0; d < D; ++d) ws.qt[d * Mp + m] = src ? static_cast<float>(src[d]) : 0.f;
   }
   reset_rows(ws, Mp, Dp, Mr);
   const auto [p0, p1] = P.split_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p), nk = (nt + C - 1) / C * C;
-    stage_rows(P, P.k, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, their scores unused
-    stage_rows(P, P.v, ws.vt, b, h, p, nt);
+    stage_rows(P, P.k, P.k_stride, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, unused
+    stage_rows(P, P.v, P.v_stride, ws.vt, b, h, p, nt);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
     for (int64_t r = 0; r < Mr; r += 2 * W) {
       for (int64_t j = 0; j < nk; j += C) {
@@ -404,7 +421,7 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
   const int64_t M = P.rows(b), Mr = (M + 31) / 32 * 32;
   const int64_t D = P.D, Dp = P.Dp, Dh = (D + 1) / 2, Mp = P.Mp;
   for (int64_t m = 0; m < Mr; ++m) {  // padding rows and the odd head dim: zero
-    const c10::BFloat16* src = m < M ? P.q + P.q_offset(b, h, m) : nullptr;
+    const c10::BFloat16* src = m < M ? P.q_row(b, h, m) : nullptr;
     for (int64_t i = 0; i < Dh; ++i) {
       const uint32_t lo = src ? bits(src[2 * i]) : 0;
       const uint32_t hi = src && 2 * i + 1 < D ? bits(src[2 * i + 1]) : 0;
@@ -416,11 +433,11 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p), nk = (nt + 7) / 8 * 8, nj = (nt + 1) / 2;
     for (int64_t j = 0; j < nt; ++j) {  // keys [nt, nk): stale, their scores unused
-      std::memcpy(ws.kp + j * Dp / 2, P.k + P.kv_offset(b, p + j, h), D * sizeof(uint16_t));
+      std::memcpy(ws.kp + j * Dp / 2, P.k_row(b, p + j, h), D * sizeof(uint16_t));
     }
     for (int64_t j = 0; j < nj; ++j) {  // an odd tile's last pair gets a zero (finite) V row
-      const c10::BFloat16* lo = P.v + P.kv_offset(b, p + 2 * j, h);
-      const c10::BFloat16* hi = 2 * j + 1 < nt ? P.v + P.kv_offset(b, p + 2 * j + 1, h) : nullptr;
+      const c10::BFloat16* lo = P.v_row(b, p + 2 * j, h);
+      const c10::BFloat16* hi = 2 * j + 1 < nt ? P.v_row(b, p + 2 * j + 1, h) : nullptr;
       for (int64_t d = 0; d < D; ++d) {
         ws.vp[j * Dp + d] = uint32_t(bits(lo[d])) | uint32_t(hi ? bits(hi[d]) : 0) << 16;
       }
@@ -482,7 +499,7 @@ void write_rows(const Problem<scalar_t>& P, scalar_t* out, int64_t b, int64_t h,
                 const float* l) {
   for (int64_t m = 0; m < P.rows(b); ++m) {
     const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
-    scalar_t* dst = out + P.q_offset(b, h, m);
+    scalar_t* dst = out + P.out_offset(b, h, m);
     for (int64_t d = 0; d < P.D; ++d) dst[d] = static_cast<scalar_t>(ot[d * P.Mp + m] * inv);
   }
 }
@@ -589,11 +606,15 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       1,
                       static_cast<float>(sm_scale * kLog2e),
                       (D + kMaxCols - 1) / kMaxCols * kMaxCols,
-                      (T * group_size + kMaxPanel - 1) / kMaxPanel * kMaxPanel};
+                      (T * group_size + kMaxPanel - 1) / kMaxPanel * kMaxPanel,
+                      {q.stride(0), q.stride(1), q.stride(2)},
+                      {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                      {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, P.length(b));
   P.num_splits = choose_splits(B * Hkv, max_len);
-  at::Tensor out = at::zeros_like(q);  // padded rows stay zero
+  // Contiguous whatever q's strides (as the fake kernel says); padded rows stay zero.
+  at::Tensor out = at::zeros(q.sizes(), q.options());
   tree_verify_typed(P, B, out.data_ptr<scalar_t>());
   return out;
 }

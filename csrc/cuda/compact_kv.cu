@@ -8,6 +8,10 @@
 // anything overwrites it, and threads never touch each other's columns, so overlapping
 // moves (e.g. path [0, 2, 3]) are safe without any barrier.
 // Every position and block id is bounds-checked; a step that would leave the cache is skipped.
+// The caches are addressed through their strides (layer, block, row in block, head; the last
+// dimension contiguous, K and V not overlapping: checks.cpp), so NHD and HND pages, halves of
+// a joint KV tensor and token pools (block size 1) move in place; with adjacent heads
+// (head stride = D) the row is one contiguous run, as before.
 #include "cuda/common.cuh"
 #include "dispatch.h"
 #include "ops.h"
@@ -16,6 +20,12 @@ namespace specdec {
 namespace cuda {
 namespace {
 
+// Strides of one cache, in bytes before launch() and in units after:
+// layer, block, row in block, head.
+struct Strides {
+  int64_t layer, block, row, head;
+};
+
 struct CompactParams {
   void* k;
   void* v;
@@ -23,19 +33,21 @@ struct CompactParams {
   const int32_t* cache_lens;      // [B]
   const int32_t* accepted_nodes;  // [B, T]
   const int32_t* num_accepted;    // [B]
-  int64_t layer_units;            // units per layer: num_blocks * block_size * row_units
+  Strides ks, vs;                 // strides of k and v
+  int head_units;                 // units per head (D elements)
   int row_units;                  // units per cache row (one position: Hkv * D elements)
   int num_blocks, block_size;     // cache blocks, positions per block
   int max_blocks;                 // block table entries per request
   int T;
 };
 
-// Physical row (within one layer) of logical position pos of request b, or -1 if unmapped.
-__device__ __forceinline__ int64_t physical_row(const CompactParams& p, int b, int64_t pos) {
+// Offset (in units, within one layer) of logical position pos of request b, or -1 if unmapped.
+__device__ __forceinline__ int64_t physical_row(const CompactParams& p, const Strides& s, int b,
+                                                int64_t pos) {
   if (pos < 0 || pos >= int64_t(p.max_blocks) * p.block_size) return -1;
   const int blk = p.block_table[int64_t(b) * p.max_blocks + pos / p.block_size];
   if (blk < 0 || blk >= p.num_blocks) return -1;
-  return int64_t(blk) * p.block_size + pos % p.block_size;
+  return int64_t(blk) * s.block + (pos % p.block_size) * s.row;
 }
 
 // Unit: the widest load/store the row size and the cache alignment allow (uint4 = 16 bytes,
@@ -43,29 +55,44 @@ __device__ __forceinline__ int64_t physical_row(const CompactParams& p, int b, i
 template <typename Unit>
 __global__ void compact_kv_kernel(const CompactParams p) {
   const int b = blockIdx.x, layer = blockIdx.y;
-  Unit* cache = static_cast<Unit*>(blockIdx.z == 0 ? p.k : p.v) + layer * p.layer_units;
+  const Strides& s = blockIdx.z == 0 ? p.ks : p.vs;
+  Unit* cache = static_cast<Unit*>(blockIdx.z == 0 ? p.k : p.v) + layer * s.layer;
   const int m = min(max(p.num_accepted[b], 0), p.T - 1);
   const int64_t c = p.cache_lens[b];
   for (int k = 0; k <= m; ++k) {
     const int a = p.accepted_nodes[int64_t(b) * p.T + k];
     if (a == k) continue;  // already in place (the root always is)
-    const int64_t src = physical_row(p, b, c + a), dst = physical_row(p, b, c + k);
+    const int64_t src = physical_row(p, s, b, c + a), dst = physical_row(p, s, b, c + k);
     if (src < 0 || dst < 0) continue;
-    const Unit* from = cache + src * p.row_units;
-    Unit* to = cache + dst * p.row_units;
-    for (int e = threadIdx.x; e < p.row_units; e += blockDim.x) to[e] = from[e];
+    const Unit* from = cache + src;
+    Unit* to = cache + dst;
+    for (int e = threadIdx.x; e < p.row_units; e += blockDim.x) {
+      const int64_t off = int64_t(e / p.head_units) * s.head + e % p.head_units;
+      to[off] = from[off];
+    }
   }
 }
 
 template <typename Unit>
-void launch(const CompactParams& base, int64_t row_bytes, int64_t B, int64_t L) {
+void launch(const CompactParams& base, int64_t head_bytes, int64_t Hkv, int64_t B, int64_t L) {
   CompactParams p = base;
-  p.row_units = int(row_bytes / sizeof(Unit));
-  p.layer_units *= p.row_units;
+  p.head_units = int(head_bytes / sizeof(Unit));
+  p.row_units = int(Hkv * p.head_units);
+  for (Strides* s : {&p.ks, &p.vs}) {  // bytes -> units (the unit divides every stride)
+    s->layer /= int64_t(sizeof(Unit));
+    s->block /= int64_t(sizeof(Unit));
+    s->row /= int64_t(sizeof(Unit));
+    s->head /= int64_t(sizeof(Unit));
+  }
   const int threads = int(std::min<int64_t>(256, ceil_div(p.row_units, kWarpSize) * kWarpSize));
   const dim3 grid(unsigned(B), unsigned(L), 2);
   compact_kv_kernel<Unit><<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+Strides strides_bytes(const at::Tensor& t) {  // t: [L, num_blocks, block_size, Hkv, D]
+  const int64_t e = t.element_size();
+  return {t.stride(0) * e, t.stride(1) * e, t.stride(2) * e, t.stride(3) * e};
 }
 
 }  // namespace
@@ -76,7 +103,8 @@ void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
                      const at::Tensor& num_accepted) {
   const at::cuda::OptionalCUDAGuard guard(k_cache.device());
   const int64_t L = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t row_bytes = k_cache.size(3) * k_cache.size(4) * k_cache.element_size();
+  const int64_t Hkv = k_cache.size(3), head_bytes = k_cache.size(4) * k_cache.element_size();
+  const int64_t row_bytes = Hkv * head_bytes;
   const int64_t B = block_table.size(0), max_blocks = block_table.size(1);
   const int64_t T = accepted_nodes.size(1);
   if (B == 0 || L == 0 || row_bytes == 0) return;
@@ -91,16 +119,21 @@ void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
                         cache_lens.data_ptr<int32_t>(),
                         accepted_nodes.data_ptr<int32_t>(),
                         num_accepted.data_ptr<int32_t>(),
-                        num_blocks * block_size,
+                        cuda::strides_bytes(k_cache),
+                        cuda::strides_bytes(v_cache),
+                        0,
                         0,
                         int(num_blocks),
                         int(block_size),
                         int(max_blocks),
                         int(T)};
-  // The widest unit that divides the row size and the alignment of both caches.
-  const auto align = reinterpret_cast<uintptr_t>(k_cache.data_ptr()) |
-                     reinterpret_cast<uintptr_t>(v_cache.data_ptr()) | uintptr_t(row_bytes);
-  SPECDEC_DISPATCH_VEC_BYTES(align, Unit, { cuda::launch<Unit>(p, row_bytes, B, L); });
+  // The widest unit that divides the head size, every stride and the alignment of both caches.
+  uintptr_t align = reinterpret_cast<uintptr_t>(k_cache.data_ptr()) |
+                    reinterpret_cast<uintptr_t>(v_cache.data_ptr()) | uintptr_t(head_bytes);
+  for (const cuda::Strides& s : {p.ks, p.vs}) {
+    align |= uintptr_t(s.layer) | uintptr_t(s.block) | uintptr_t(s.row) | uintptr_t(s.head);
+  }
+  SPECDEC_DISPATCH_VEC_BYTES(align, Unit, { cuda::launch<Unit>(p, head_bytes, Hkv, B, L); });
 }
 
 }  // namespace specdec

@@ -21,6 +21,9 @@
 //   softmax: online (running max m, running sum l) in the log2 domain, per row, with warp
 //           reductions over the 32 keys of the tile;
 //   P @ V:  lane = output columns lane, lane + 32, ...; probabilities broadcast from shared.
+// q and the caches are read through their strides (int64, in elements; the last dimension is
+// contiguous: checks.cpp), so NHD and HND pages, halves of a joint KV tensor, token pools
+// (block size 1) and q sliced out of a fused QKV output need no copy. The output is contiguous.
 // Accumulation is fp32 for every input dtype. Head dims up to 256 are padded to the next
 // of 32 / 64 / 128 / 256 (DP, the template parameter, from SPECDEC_DISPATCH_HEAD_DIM) with
 // zeros.
@@ -44,9 +47,9 @@ constexpr int kMinSplitKeys = 256;   // a split covers at least this many positi
 
 template <typename scalar_t>
 struct VerifyParams {
-  const scalar_t* q;           // [B, T, Hq, D]
-  const scalar_t* k;           // [num_blocks, block_size, Hkv, D]
-  const scalar_t* v;           // [num_blocks, block_size, Hkv, D]
+  const scalar_t* q;           // [B, T, Hq, D], strides q_sb, q_st, q_sh, 1
+  const scalar_t* k;           // [num_blocks, block_size, Hkv, D], strides k_sb, k_sr, k_sh, 1
+  const scalar_t* v;           // [num_blocks, block_size, Hkv, D], strides v_sb, v_sr, v_sh, 1
   const int32_t* block_table;  // [B, max_blocks]
   const int32_t* cache_lens;   // [B]
   const int32_t* num_nodes;    // [B]
@@ -65,7 +68,10 @@ struct VerifyParams {
   int max_positions;           // positions a block table row maps: max_blocks * block_size
   int chunk;                   // positions per split (a multiple of kKeyTile)
   int num_splits;
-  bool vec_ok;  // K / V rows can be read with 16-byte loads
+  int64_t q_sb, q_st, q_sh;  // q strides of request, node, head (elements)
+  int64_t k_sb, k_sr, k_sh;  // k_cache strides of block, row in block, head
+  int64_t v_sb, v_sr, v_sh;  // v_cache strides of block, row in block, head
+  bool vec_ok;  // K / V rows can be read with 16-byte loads (D, strides, pointers aligned)
 };
 
 template <int DP>
@@ -92,13 +98,14 @@ __device__ __forceinline__ void load_kv_tile(const VerifyParams<scalar_t>& p, in
     if (pos < kend) {
       const int entry = p.block_table[int64_t(b) * p.max_blocks + pos / p.block_size];
       const int blk = min(max(entry, 0), p.num_blocks - 1);
-      const int64_t row = int64_t(blk) * p.block_size + pos % p.block_size;
-      const int64_t base = (row * p.Hkv + h) * p.D + d0;
+      const int64_t r = pos % p.block_size;
+      const int64_t kbase = int64_t(blk) * p.k_sb + r * p.k_sr + int64_t(h) * p.k_sh + d0;
+      const int64_t vbase = int64_t(blk) * p.v_sb + r * p.v_sr + int64_t(h) * p.v_sh + d0;
       if (p.vec_ok) {  // D % kVec == 0, so a chunk starting below D ends within the row
         if (d0 < p.D) {
           alignas(16) scalar_t kt[kVec], vt[kVec];
-          *reinterpret_cast<uint4*>(kt) = *reinterpret_cast<const uint4*>(p.k + base);
-          *reinterpret_cast<uint4*>(vt) = *reinterpret_cast<const uint4*>(p.v + base);
+          *reinterpret_cast<uint4*>(kt) = *reinterpret_cast<const uint4*>(p.k + kbase);
+          *reinterpret_cast<uint4*>(vt) = *reinterpret_cast<const uint4*>(p.v + vbase);
 #pragma unroll
           for (int e = 0; e < kVec; ++e) {
             kv[e] = to_float(kt[e]);
@@ -109,8 +116,8 @@ __device__ __forceinline__ void load_kv_tile(const VerifyParams<scalar_t>& p, in
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
           if (d0 + e < p.D) {
-            kv[e] = to_float(p.k[base + e]);
-            vv[e] = to_float(p.v[base + e]);
+            kv[e] = to_float(p.k[kbase + e]);
+            vv[e] = to_float(p.v[vbase + e]);
           }
         }
       }
@@ -159,7 +166,8 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1)
     const int t = r / p.group_size, hq = h * p.group_size + r % p.group_size;
     float x = 0.f;
     if (d < p.D && t < n)
-      x = to_float(p.q[((int64_t(b) * p.T + t) * p.Hq + hq) * p.D + d]) * p.scale_log2;
+      x = to_float(p.q[int64_t(b) * p.q_sb + int64_t(t) * p.q_st + int64_t(hq) * p.q_sh + d]) *
+          p.scale_log2;
     Qs[rl * DP + d] = x;
   }
 
@@ -347,7 +355,7 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                   B * T * Hq < (int64_t(1) << 31),
               "tree_verify (CUDA): sizes too large");
 
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   const int64_t chunk = choose_chunk(std::max<int64_t>(max_positions, 1), B * Hkv * row_tiles);
   const int64_t num_splits = ceil_div(std::max<int64_t>(max_positions, 1), chunk);
   at::Tensor part_out, part_lse;
@@ -360,8 +368,10 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
 
   SPECDEC_DISPATCH_FLOAT_DTYPE(q.scalar_type(), scalar_t, {
     constexpr int kVec = 16 / sizeof(scalar_t);
+    // 16-byte loads need every row start aligned: the pointer and each stride.
     const auto aligned = [](const at::Tensor& t) {
-      return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+      return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % kVec == 0 &&
+             t.stride(1) % kVec == 0 && t.stride(2) % kVec == 0;
     };
     VerifyParams<scalar_t> p{};
     p.q = q.data_ptr<scalar_t>();
@@ -383,6 +393,9 @@ at::Tensor tree_verify_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     p.rows_alloc = int(std::min<int64_t>(rows_per_head, kRowsPerCta));
     p.max_positions = int(max_positions);
     p.chunk = int(chunk), p.num_splits = int(num_splits);
+    p.q_sb = q.stride(0), p.q_st = q.stride(1), p.q_sh = q.stride(2);
+    p.k_sb = k_cache.stride(0), p.k_sr = k_cache.stride(1), p.k_sh = k_cache.stride(2);
+    p.v_sb = v_cache.stride(0), p.v_sr = v_cache.stride(1), p.v_sh = v_cache.stride(2);
     p.vec_ok = D % kVec == 0 && aligned(k_cache) && aligned(v_cache);
     SPECDEC_DISPATCH_HEAD_DIM(D, DP, { launch<scalar_t, DP>(p, grid, stream); });
     if (num_splits > 1) {

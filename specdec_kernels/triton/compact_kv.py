@@ -1,10 +1,12 @@
 """compact_kv in Triton: one launch moves the accepted path of every request, all layers, K and V.
 
 Grid: (2 * L, B, row chunks). A program copies one chunk of the Hkv * D row of
-each accepted node, in increasing k. Node ids increase along a root path, so the
-source cache_lens + a[k] >= the destination cache_lens + k: a destination is
-never a later step's source (it lies below it), and a source is only
-overwritten by a later step, after this program has read it.
+each accepted node, in increasing k. The caches are addressed through their strides
+(layer, block, row in block, head; the last dim contiguous), so NHD and HND pages,
+halves of joint KV tensors and token pools (block size 1) are moved in place.
+Node ids increase along a root path, so the source cache_lens + a[k] >= the
+destination cache_lens + k: a destination is never a later step's source (it lies
+below it), and a source is only overwritten by a later step, after this program has read it.
 The copy is bitwise (the cache is viewed as integers of its element size), so
 any element dtype works and NaN payloads survive.
 """
@@ -19,9 +21,32 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
-def _copy_path(cache_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, T, cols, col_mask):
-    """Copies rows cache_lens + accepted[k] -> cache_lens + k (k = 1..na) of one layer."""
-    base = cache_ptr + layer * NB * bs * ROW
+def _copy_path(
+    cache_ptr,
+    s_l,
+    s_b,
+    s_r,
+    s_h,
+    layer,
+    bt_ptr,
+    acc_ptr,
+    b,
+    c,
+    na,
+    NB,
+    bs,
+    D,
+    MB,
+    S,
+    T,
+    cols,
+    col_mask,
+):
+    """Copies rows cache_lens + accepted[k] -> cache_lens + k (k = 1..na) of one layer.
+
+    cols: element indices into the Hkv * D row, mapped to (head, dim) through the strides."""
+    base = cache_ptr + layer * s_l
+    col_off = (cols // D) * s_h + cols % D
     for k in range(1, na + 1):
         src = c + tl.load(acc_ptr + b * T + k)
         dst = c + k
@@ -32,10 +57,10 @@ def _copy_path(cache_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, 
             src_blk = tl.load(bt_ptr + b * MB + src // bs).to(tl.int64)
             dst_blk = tl.load(bt_ptr + b * MB + dst // bs).to(tl.int64)
             if (src_blk >= 0) & (src_blk < NB) & (dst_blk >= 0) & (dst_blk < NB):
-                src_row = src_blk * bs + src % bs
-                dst_row = dst_blk * bs + dst % bs
-                vals = tl.load(base + src_row * ROW + cols, mask=col_mask)
-                tl.store(base + dst_row * ROW + cols, vals, mask=col_mask)
+                src_row = src_blk * s_b + (src % bs) * s_r
+                dst_row = dst_blk * s_b + (dst % bs) * s_r
+                vals = tl.load(base + src_row + col_off, mask=col_mask)
+                tl.store(base + dst_row + col_off, vals, mask=col_mask)
 
 
 @triton.jit
@@ -46,8 +71,17 @@ def _compact_kv_kernel(
     cache_lens_ptr,
     acc_ptr,
     num_acc_ptr,
+    k_sl,
+    k_sb,
+    k_sr,
+    k_sh,
+    v_sl,
+    v_sb,
+    v_sr,
+    v_sh,
     NB,
     bs,
+    D,
     ROW,
     MB,
     S,
@@ -62,9 +96,49 @@ def _compact_kv_kernel(
     c = tl.load(cache_lens_ptr + b).to(tl.int64)  # c + node may pass 2^31 - 1
     na = tl.minimum(tl.maximum(tl.load(num_acc_ptr + b), 0), T - 1)
     if pid % 2 == 0:
-        _copy_path(k_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, T, cols, col_mask)
+        _copy_path(
+            k_ptr,
+            k_sl,
+            k_sb,
+            k_sr,
+            k_sh,
+            layer,
+            bt_ptr,
+            acc_ptr,
+            b,
+            c,
+            na,
+            NB,
+            bs,
+            D,
+            MB,
+            S,
+            T,
+            cols,
+            col_mask,
+        )
     else:
-        _copy_path(v_ptr, layer, bt_ptr, acc_ptr, b, c, na, NB, bs, ROW, MB, S, T, cols, col_mask)
+        _copy_path(
+            v_ptr,
+            v_sl,
+            v_sb,
+            v_sr,
+            v_sh,
+            layer,
+            bt_ptr,
+            acc_ptr,
+            b,
+            c,
+            na,
+            NB,
+            bs,
+            D,
+            MB,
+            S,
+            T,
+            cols,
+            col_mask,
+        )
 
 
 @torch.library.custom_op("specdec_triton::compact_kv", mutates_args=("k_cache", "v_cache"))
@@ -77,8 +151,8 @@ def compact_kv(
     num_accepted: torch.Tensor,
 ) -> None:
     """In place. k_cache, v_cache: [num_blocks, block_size, Hkv, D] or [L, num_blocks, block_size,
-    Hkv, D]
-    (contiguous, validated); block_table: int [B, max_blocks]; cache_lens, num_accepted: int [B];
+    Hkv, D] (any non-overlapping views with a contiguous last dim, validated; never copied);
+    block_table: int [B, max_blocks]; cache_lens, num_accepted: int [B];
     accepted_nodes: int [B, T].
 
     A custom op (declared as mutating the caches), so torch.compile treats the launch as
@@ -99,8 +173,11 @@ def compact_kv(
         index32(cache_lens),
         index32(accepted_nodes),
         index32(num_accepted),
+        *k.stride()[:4],
+        *v.stride()[:4],
         NB,
         bs,
+        D,
         ROW,
         MB,
         MB * bs,

@@ -48,8 +48,12 @@ def _attend(
     row_ok,
     d,
     d_ok,
-    Hkv,
-    D,
+    stride_kb,
+    stride_kr,
+    stride_kh,
+    stride_vb,
+    stride_vr,
+    stride_vh,
     NB,
     bs,
     MB,
@@ -69,9 +73,12 @@ def _attend(
         # wrong numbers, never an out-of-bounds read.
         blk = tl.load(bt_ptr + b * MB + pos // bs, mask=pos_ok, other=0).to(tl.int64)
         blk = tl.minimum(tl.maximum(blk, 0), NB - 1)
-        kv_off = ((blk * bs + pos % bs) * Hkv + kvh)[:, None] * D + d[None, :]
+        # Offsets through the caches' strides (int64): any layout with a contiguous last dim.
+        row = (pos % bs).to(tl.int64)
+        k_off = (blk * stride_kb + row * stride_kr + kvh * stride_kh)[:, None] + d[None, :]
+        v_off = (blk * stride_vb + row * stride_vr + kvh * stride_vh)[:, None] + d[None, :]
         kv_ok = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_ok, other=0.0)
+        k = tl.load(k_ptr + k_off, mask=kv_ok, other=0.0)
         s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BM, BN], log2 units
         allowed = row_ok[:, None] & pos_ok[None, :]
         if IS_TREE:
@@ -87,7 +94,7 @@ def _attend(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + v_off, mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
         m_i = m_new
     return m_i, l_i, acc
@@ -110,6 +117,15 @@ def _tree_verify_kernel(
     Hq,
     Hkv,
     D,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kr,
+    stride_kh,
+    stride_vb,
+    stride_vr,
+    stride_vh,
     NB,
     bs,
     MB,
@@ -138,9 +154,10 @@ def _tree_verify_kernel(
     row_ok = (node < n) & (rows < T * GROUP)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q_row = (b * T + node) * Hq + head  # row of q / out viewed as [B * T * Hq, D]
+    q_row = (b * T + node) * Hq + head  # row of out (contiguous) viewed as [B * T * Hq, D]
+    q_off = b * stride_qb + node.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(
-        q_ptr + q_row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+        q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -166,8 +183,12 @@ def _tree_verify_kernel(
         row_ok,
         d,
         d_ok,
-        Hkv,
-        D,
+        stride_kb,
+        stride_kr,
+        stride_kh,
+        stride_vb,
+        stride_vr,
+        stride_vh,
         NB,
         bs,
         MB,
@@ -197,8 +218,12 @@ def _tree_verify_kernel(
         row_ok,
         d,
         d_ok,
-        Hkv,
-        D,
+        stride_kb,
+        stride_kr,
+        stride_kh,
+        stride_vb,
+        stride_vr,
+        stride_vh,
         NB,
         bs,
         MB,
@@ -282,9 +307,10 @@ def tree_verify(
     tree_mask: torch.Tensor,
     sm_scale: float,
 ) -> torch.Tensor:
-    """q: [B, T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous);
+    """q: [B, T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (any views with a
+    contiguous last dim, validated: read through their strides, never copied);
     block_table: int [B, max_blocks]; cache_lens, num_nodes: int [B];
-    tree_mask: int64 [B, T, ceil(T/64)]  ->  [B, T, Hq, D] in q's dtype.
+    tree_mask: int64 [B, T, ceil(T/64)]  ->  [B, T, Hq, D] in q's dtype, contiguous.
 
     A custom op, so torch.compile treats the launches as one opaque call."""
     B, T, Hq, D = q.shape
@@ -292,12 +318,11 @@ def tree_verify(
     MB = block_table.shape[1]
     W = tree_mask.shape[2]
     group = Hq // Hkv
-    q = q.contiguous()
     block_m = min(64, max(16, triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
     block_n, splits, chunk, num_warps = _launch_config(q.device, D, MB * bs, B * Hkv * m_blocks)
     block_d = max(16, triton.next_power_of_2(D))
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the fake says
     if splits > 1:
         part_acc = torch.empty(B * T * Hq, splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B * T * Hq, splits, 2, dtype=torch.float32, device=q.device)
@@ -319,6 +344,9 @@ def tree_verify(
         Hq,
         Hkv,
         D,
+        *q.stride()[:3],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
         NB,
         bs,
         MB,

@@ -24,7 +24,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from specdec_kernels.testing import TREE_KINDS, random_root_paths, random_trees
+from specdec_kernels.testing import TREE_KINDS, kv_layout, random_root_paths, random_trees
 
 WIDE = 2**32  # an int64 value that wraps to a small int32 value when narrowed
 
@@ -45,6 +45,15 @@ def index_dtype(rng):
 
 
 # ---------------------------------------------------------------- problems
+def caches(rng, lead, num_blocks, block_size, Hkv, D, dtype):
+    """k_cache, v_cache in a random engine layout (views with any strides, docs/ops.md)."""
+    names = ["contiguous", "vllm_flash", "flashinfer_nhd", "flashinfer_hnd"]
+    if block_size == 1:
+        names.append("sglang_pool")
+    tensors, views = kv_layout(rng.choice(names), lead, num_blocks, block_size, Hkv, D, dtype)
+    return views(tensors)
+
+
 def problem_build_tree_mask(rng):
     B, T = rng.randint(1, 3), rng.randint(1, 70)
     parents, num_nodes = rand_trees(rng, B, T)
@@ -67,10 +76,12 @@ def problem_tree_verify(rng):
     tree_mask, _ = reference.build_tree_mask(parents.to(torch.int32), num_nodes.to(torch.int32))
     cache_lens = torch.tensor([rng.randint(0, capacity - int(n)) for n in num_nodes])
     dt = index_dtype(rng)
+    k_cache, v_cache = caches(rng, (), num_blocks, block_size, Hkv, D, dtype)
+    q = torch.randn(B, T, Hq + rng.choice([0, 2 * Hkv]), D).to(dtype)[:, :, :Hq]  # a QKV slice?
     return {
-        "q": torch.randn(B, T, Hq, D).to(dtype),
-        "k_cache": torch.randn(num_blocks, block_size, Hkv, D).to(dtype),
-        "v_cache": torch.randn(num_blocks, block_size, Hkv, D).to(dtype),
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
         "block_table": torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(dt),
         "cache_lens": cache_lens.to(dt),
         "num_nodes": num_nodes.to(dt),
@@ -107,16 +118,15 @@ def problem_compact_kv(rng):
         max_blocks += 1
     num_blocks = B * max_blocks + rng.randint(0, 2)
     layers = rng.choice([None, 1, 3])
-    shape = (
-        (num_blocks, block_size, 2, 4) if layers is None else (layers, num_blocks, block_size, 2, 4)
-    )
     dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    lead = () if layers is None else (layers,)
+    k_cache, v_cache = caches(rng, lead, num_blocks, block_size, 2, 4, dtype)
     accepted, num_accepted = random_root_paths(B, T, torch_gen(rng))
     capacity = block_size * max_blocks
     dt = index_dtype(rng)
     return {
-        "k_cache": torch.randn(shape).to(dtype),
-        "v_cache": torch.randn(shape).to(dtype),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
         "block_table": torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(dt),
         "cache_lens": torch.tensor([rng.randint(0, capacity - T) for _ in range(B)]).to(dt),
         "accepted_nodes": accepted.to(dt),
@@ -301,12 +311,17 @@ ALIASES = {
 
 
 # ---------------------------------------------------------------- running
+def _copy_strided(t):
+    """A copy with t's strides (clone() makes non-dense views contiguous)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t)
+
+
 def run(op, p, backend):
     p = dict(p)
     if op == "tree_verify":
         return sk.tree_verify(**p, backend=backend)
     if op == "compact_kv":
-        k, v = p.pop("k_cache").clone(), p.pop("v_cache").clone()
+        k, v = (_copy_strided(p.pop(n)) for n in ("k_cache", "v_cache"))
         sk.compact_kv(k, v, **p, backend=backend)
         return k, v
     return getattr(sk, op)(**p, backend=backend)

@@ -192,6 +192,12 @@ def test_bad_values(case, edit, match, device, backend):
         run_kernel(p, backend)
 
 
+def _shifted_heads(p):
+    """K = heads 0-1 and V = heads 1-2 of one [..., 3, D] tensor: V's head 0 is K's head 1."""
+    x = torch.cat([p["k_cache"], p["k_cache"][..., :1, :]], -2)
+    p.update(k_cache=x[..., :2, :], v_cache=x[..., 1:, :])
+
+
 SHAPE_CASES = [
     ("kv_shape", lambda p: p.update(v_cache=p["v_cache"][:, :2].contiguous()), r"v_cache shape"),
     ("kv_dtype", lambda p: p.update(v_cache=p["v_cache"].half()), r"v_cache dtype"),
@@ -200,11 +206,17 @@ SHAPE_CASES = [
         lambda p: p.update(k_cache=p["k_cache"][0, 0], v_cache=p["v_cache"][0, 0]),
         r"k_cache must be \[num_blocks, block_size, Hkv, D\]",
     ),
-    (
-        "non_contiguous",
-        lambda p: p.update(k_cache=p["k_cache"].transpose(0, 1).contiguous().transpose(0, 1)),
-        r"k_cache must be contiguous",
+    (  # any other strides are fine (test_layouts.py)
+        "strided_last_dim",
+        lambda p: p.update(k_cache=torch.cat([p["k_cache"], p["k_cache"]], -1)[..., ::2]),
+        r"k_cache must have a contiguous last dimension",
     ),
+    (  # a broadcast head: one element under two indices
+        "self_overlapping",
+        lambda p: p.update(v_cache=p["v_cache"][..., :1, :].expand_as(p["v_cache"])),
+        r"v_cache must not overlap itself",
+    ),
+    ("kv_overlap", lambda p: _shifted_heads(p), r"k_cache and v_cache overlap in memory"),
     ("same_tensor", lambda p: p.update(v_cache=p["k_cache"]), r"must be different tensors"),
     (
         "block_table_dtype",
