@@ -1,0 +1,233 @@
+"""CompiledStep: the target's verify forward (a plain decode step is the one-node tree) run
+through torch.compile, one static-shape graph per (B, T, feature_layers) it meets.
+
+Transformer.forward packs the real nodes of trees of different sizes and builds its
+AttentionMetadata from the cache with data-dependent shapes (nonzero), which a static graph
+cannot hold. The compiled step instead runs the padded [B, T] trees whole: every node's K/V
+is written at cache_lens + i (padding nodes land past the request's committed length, in the
+T positions of slack every cache keeps, and are never read: tree_verify stops at num_nodes),
+and the outputs at padding are whatever the padding computes (callers read real nodes only).
+The K/V caches are graph inputs mutated in place (index_copy_), tree_verify is in the graph
+(fullgraph=True proves it: it has a fake and passes opcheck).
+
+On CPU inductor's `freezing` folds the weights into the graph as constants and prepacks the
+bf16 matmuls for oneDNN (AMX / AVX512-BF16), the largest single win at small M (see
+benchmarks/results/compile_*.json). Compile time is paid once per shape and kept in
+`compile_s`. Enabled per model by `enable(model)` or `configure(model, setting)` (the Engine
+applies SPECDEC_COMPILE, the CLI --compile / --no-compile); Transformer.forward then
+delegates here.
+"""
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specdec_kernels import envs, ops
+
+from .cache import PagedKVCache
+from .model import Transformer, VerifyOut
+
+
+@torch.library.custom_op("specdec_engine::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(
+    k_cache: Tensor, v_cache: Tensor, layer: int, rows: Tensor, k: Tensor, v: Tensor
+) -> None:
+    """k_cache, v_cache: [L, num_blocks, block_size, Hkv, D]; rows: int64 [N]; k, v: [N, Hkv, D]
+    -> written at rows of layer `layer` (as PagedKVCache.write_rows). An op that declares the
+    mutation, so that inductor writes the cache in place; index_copy_ on a view of a graph
+    input is functionalized into copies of the whole layer's cache."""
+    k_cache[layer].view(-1, *k.shape[1:]).index_copy_(0, rows, k.to(k_cache.dtype))
+    v_cache[layer].view(-1, *v.shape[1:]).index_copy_(0, rows, v.to(v_cache.dtype))
+
+
+@write_kv.register_fake
+def _(k_cache, v_cache, layer, rows, k, v) -> None:
+    return None
+
+
+class _Step(torch.nn.Module):
+    """The traced body, a module around the target so that inductor's freezing sees its
+    weights as parameters (and folds / prepacks them)."""
+
+    def __init__(self, model: Transformer, feature_layers: tuple[int, ...]):
+        super().__init__()
+        self.model = model
+        self.feature_layers = feature_layers
+
+    def forward(self, *args: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return _step(self.model, self.feature_layers, *args)
+
+
+def _step(
+    model: Transformer,
+    feature_layers: tuple[int, ...],
+    tokens: Tensor,
+    positions: Tensor,
+    rows: Tensor,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    num_nodes: Tensor,
+    tree_mask: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The traced body. tokens, positions: long [B, T] (positions = cache_lens + depth);
+    rows: int64 [B * T] physical cache rows of nodes 0..T-1; block_table: int32 [B, nb];
+    cache_lens, num_nodes: int32 [B]; tree_mask: int64 [B, T, W]; k_cache, v_cache:
+    [L, num_blocks, block_size, Hkv, D] (written in place) -> logits [B, T, V] float32,
+    hidden [B, T, dim], aux [B, T, len(feature_layers) * dim]."""
+    B, T = tokens.shape
+    cos, sin = model.rope(positions)
+    x = model.tok_embeddings(tokens)
+    feats = []
+    for i, layer in enumerate(model.layers):
+        attn = layer.attention
+        q, k, v = attn.project(layer.attention_norm(x), cos, sin)
+        # every node, padding included (see the module docstring)
+        kv_shape = (B * T, attn.n_kv_heads, attn.head_dim)
+        write_kv(k_cache, v_cache, i, rows, k.reshape(kv_shape), v.reshape(kv_shape))
+        out = ops.tree_verify(
+            q, k_cache[i], v_cache[i], block_table, cache_lens, num_nodes, tree_mask, attn.scale
+        )
+        h = x + attn.wo(out.reshape(B, T, -1))
+        x = h + layer.feed_forward(layer.ffn_norm(h))
+        if i in feature_layers:
+            feats.append(x)
+    h = model.norm(x)
+    aux = torch.cat(feats, dim=-1) if feats else h.new_empty(B, T, 0)
+    return model.lm_head(h).float(), h, aux
+
+
+class CompiledStep:
+    """Callable as Transformer.forward (same arguments, same VerifyOut at the real nodes).
+
+    model: the target; freezing: inductor's weight freezing / prepacking (default: on CPU,
+    where it pays; off on CUDA, where the weights stay parameters); mode: torch.compile's
+    mode (default "reduce-overhead", CUDA graphs, on CUDA; None on CPU); max_shapes: shapes
+    compiled at most, later ones run eagerly (each costs a compile; a long-running engine meets
+    few: T is fixed per tree size and B by the batch)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        freezing: bool | None = None,
+        mode: str | None = None,
+        max_shapes: int = 16,
+        fullgraph: bool = True,
+        backend: str = "inductor",
+    ):
+        self.model = model
+        device = model.tok_embeddings.weight.device
+        self.freezing = device.type == "cpu" if freezing is None else freezing
+        if mode is None and device.type == "cuda" and backend == "inductor":
+            mode = "reduce-overhead"  # CUDA graphs, as gpt-fast
+        self.mode = mode
+        self.max_shapes = max_shapes
+        self.fullgraph = fullgraph
+        self.backend = backend
+        self.compile_s: dict[tuple, float] = {}  # (B, T, feature_layers) -> first-call seconds
+        self._fns: dict[tuple, object] = {}
+
+    def _compiled(self, key: tuple):
+        fn = self._fns.get(key)
+        if fn is None:
+            if len(self._fns) >= self.max_shapes:
+                return None
+            # A fresh torch.compile per shape: dynamic=False and its own cache entry, so
+            # shapes never recompile one another or hit dynamo's recompile limit.
+            fn = torch.compile(
+                _Step(self.model, key[2]),
+                fullgraph=self.fullgraph,
+                dynamic=False,
+                backend=self.backend,
+                mode=self.mode,
+            )
+            self._fns[key] = fn
+        return fn
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        tokens: Tensor,
+        cache: PagedKVCache,
+        slots: Tensor,
+        num_nodes: Tensor,
+        tree_mask: Tensor,
+        depth: Tensor,
+        feature_layers: Sequence[int] = (),
+    ) -> VerifyOut:
+        """As Transformer.forward; outputs at padding nodes are unspecified (not zeros)."""
+        B, T = tokens.shape
+        feature_layers = tuple(feature_layers)
+        key = (B, T, feature_layers)
+        fn = self._compiled(key)
+        if fn is None:
+            return self.model.eager_forward(
+                tokens, cache, slots, num_nodes, tree_mask, depth, feature_layers
+            )
+        cache_lens = cache.cache_lens[slots]
+        node = torch.arange(T, device=tokens.device)[None]
+        rows, _ = cache.rows(slots, cache_lens[:, None] + node)
+        args = (
+            tokens,
+            (cache_lens[:, None] + depth).long(),
+            rows,
+            cache.block_table[slots],
+            cache_lens,
+            num_nodes,
+            tree_mask,
+            cache.k,
+            cache.v,
+        )
+        # freezing is read from the global config when dynamo hands the graph to inductor (the
+        # options= of torch.compile come too late for it): patched around every call, so that a
+        # recompile sees it too
+        with torch._inductor.config.patch(freezing=self.freezing):
+            if key in self.compile_s:
+                return VerifyOut(*fn(*args))
+            t0 = time.perf_counter()
+            out = VerifyOut(*fn(*args))
+            self.compile_s[key] = time.perf_counter() - t0
+        return out
+
+
+def wanted(model: Transformer, setting: bool | str | None = None) -> bool:
+    """Whether model's verify forwards should be compiled. setting: True / False, or None /
+    "auto": SPECDEC_COMPILE's value ("auto" unset), and "auto" means on for 16-bit models on
+    CPU, where it was measured to pay (about 1.4x per step in bf16, SmolLM2-135M), off
+    elsewhere (float32: the tests' tiny models, where compile time would dominate; CUDA: not
+    measured yet)."""
+    if setting is None:
+        setting = envs.SPECDEC_COMPILE
+    if setting != "auto":
+        return bool(setting)
+    w = model.tok_embeddings.weight
+    return w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
+
+
+def configure(model: Transformer, setting: bool | None = None) -> CompiledStep | None:
+    """Applies a compile decision to model (kept by later Engines on it). setting None: a
+    decision already taken stands (the CLI's --compile / --no-compile), else SPECDEC_COMPILE.
+    Returns the CompiledStep or None (eager)."""
+    if setting is None and model.compiled_step is not None:
+        return model.compiled_step or None
+    if wanted(model, setting):
+        return enable(model)
+    model.compiled_step = False  # decided: eager
+    return None
+
+
+def enable(model: Transformer, **kwargs) -> CompiledStep:
+    """Routes model's verify forwards (engine steps, cost measurement) through a CompiledStep
+    (kwargs as CompiledStep's); returns it (its compile_s reports compile times)."""
+    step = model.compiled_step
+    if not step:
+        step = model.compiled_step = CompiledStep(model, **kwargs)
+    return step
+
+
+def disable(model: Transformer) -> None:
+    """Back to the eager forward."""
+    model.compiled_step = False
