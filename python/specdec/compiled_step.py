@@ -3,12 +3,12 @@ through torch.compile, one static-shape graph per (B, T, feature_layers) it meet
 
 Transformer.forward packs the real nodes of trees of different sizes and builds its
 AttentionMetadata from the cache with data-dependent shapes (nonzero), which a static graph
-cannot hold. The compiled step instead runs the padded [B, T] trees whole: every node's K/V
-is written at cache_lens + i (padding nodes land past the request's committed length, in the
-T positions of slack every cache keeps, and are never read: tree_verify stops at num_nodes),
-and the outputs at padding are whatever the padding computes (callers read real nodes only).
-The K/V caches are graph inputs mutated in place (index_copy_), tree_verify is in the graph
-(fullgraph=True proves it: it has a fake and passes opcheck).
+cannot hold. The compiled step instead runs the padded [B, T] trees whole, T padded further
+to a power of two (`bucket`: few shapes, few compiles); the real nodes' K/V are written as
+eagerly (the selection inside the write_kv op, which mutates the cache graph inputs in
+place), padding is neither written nor attended (tree_verify stops at num_nodes), and the
+outputs at padding are whatever the padding computes (callers read real nodes only).
+tree_verify is in the graph (fullgraph=True proves it: it has a fake and passes opcheck).
 
 On CPU inductor's `freezing` folds the weights into the graph as constants and prepacks the
 bf16 matmuls for oneDNN (AMX / AVX512-BF16), the largest single win at small M (see
@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from specdec_kernels import envs, ops
@@ -32,19 +33,35 @@ from .model import Transformer, VerifyOut
 
 @torch.library.custom_op("specdec_engine::write_kv", mutates_args=("k_cache", "v_cache"))
 def write_kv(
-    k_cache: Tensor, v_cache: Tensor, layer: int, rows: Tensor, k: Tensor, v: Tensor
+    k_cache: Tensor,
+    v_cache: Tensor,
+    layer: int,
+    rows: Tensor,
+    valid: Tensor,
+    k: Tensor,
+    v: Tensor,
 ) -> None:
-    """k_cache, v_cache: [L, num_blocks, block_size, Hkv, D]; rows: int64 [N]; k, v: [N, Hkv, D]
-    -> written at rows of layer `layer` (as PagedKVCache.write_rows). An op that declares the
-    mutation, so that inductor writes the cache in place; index_copy_ on a view of a graph
-    input is functionalized into copies of the whole layer's cache."""
+    """k_cache, v_cache: [L, num_blocks, block_size, Hkv, D]; rows: int64 [N]; valid: bool [N];
+    k, v: [N, Hkv, D] -> the valid entries written at their rows of layer `layer` (as
+    PagedKVCache.write_rows). An op that declares the mutation, so that inductor writes the
+    cache in place (index_copy_ on a view of a graph input is functionalized into copies of
+    the layer's whole cache), and whose data-dependent selection stays out of the graph.
+    (The selection syncs on CUDA; CUDA graphs would need a sync-free form.)"""
+    rows, k, v = rows[valid], k[valid], v[valid]
     k_cache[layer].view(-1, *k.shape[1:]).index_copy_(0, rows, k.to(k_cache.dtype))
     v_cache[layer].view(-1, *v.shape[1:]).index_copy_(0, rows, v.to(v_cache.dtype))
 
 
 @write_kv.register_fake
-def _(k_cache, v_cache, layer, rows, k, v) -> None:
+def _(k_cache, v_cache, layer, rows, valid, k, v) -> None:
     return None
+
+
+def bucket(T: int) -> int:
+    """The compiled tree size T pads to: the next power of two (adaptive mode sizes its trees
+    anywhere in 1..total; buckets bound the compiles to log2(total) + 1, the sizes its cost
+    model measures)."""
+    return 1 << (T - 1).bit_length()
 
 
 class _Step(torch.nn.Module):
@@ -66,6 +83,7 @@ def _step(
     tokens: Tensor,
     positions: Tensor,
     rows: Tensor,
+    valid: Tensor,
     block_table: Tensor,
     cache_lens: Tensor,
     num_nodes: Tensor,
@@ -74,7 +92,8 @@ def _step(
     v_cache: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The traced body. tokens, positions: long [B, T] (positions = cache_lens + depth);
-    rows: int64 [B * T] physical cache rows of nodes 0..T-1; block_table: int32 [B, nb];
+    rows: int64 [B * T] physical cache rows of nodes 0..T-1, valid: bool [B * T] (the real
+    nodes, written; padding is not); block_table: int32 [B, nb];
     cache_lens, num_nodes: int32 [B]; tree_mask: int64 [B, T, W]; k_cache, v_cache:
     [L, num_blocks, block_size, Hkv, D] (written in place) -> logits [B, T, V] float32,
     hidden [B, T, dim], aux [B, T, len(feature_layers) * dim]."""
@@ -85,9 +104,8 @@ def _step(
     for i, layer in enumerate(model.layers):
         attn = layer.attention
         q, k, v = attn.project(layer.attention_norm(x), cos, sin)
-        # every node, padding included (see the module docstring)
         kv_shape = (B * T, attn.n_kv_heads, attn.head_dim)
-        write_kv(k_cache, v_cache, i, rows, k.reshape(kv_shape), v.reshape(kv_shape))
+        write_kv(k_cache, v_cache, i, rows, valid, k.reshape(kv_shape), v.reshape(kv_shape))
         out = ops.tree_verify(
             q, k_cache[i], v_cache[i], block_table, cache_lens, num_nodes, tree_mask, attn.scale
         )
@@ -161,19 +179,26 @@ class CompiledStep:
         """As Transformer.forward; outputs at padding nodes are unspecified (not zeros)."""
         B, T = tokens.shape
         feature_layers = tuple(feature_layers)
-        key = (B, T, feature_layers)
+        Tb = bucket(T)
+        key = (B, Tb, feature_layers)
         fn = self._compiled(key)
         if fn is None:
             return self.model.eager_forward(
                 tokens, cache, slots, num_nodes, tree_mask, depth, feature_layers
             )
+        if Tb != T:  # more padding nodes: past num_nodes, so neither written nor attended
+            tokens, depth = F.pad(tokens, (0, Tb - T)), F.pad(depth, (0, Tb - T))
+            W = -(-Tb // 64)
+            tree_mask = F.pad(tree_mask, (0, W - tree_mask.shape[2], 0, Tb - T))
         cache_lens = cache.cache_lens[slots]
-        node = torch.arange(T, device=tokens.device)[None]
-        rows, _ = cache.rows(slots, cache_lens[:, None] + node)
+        node = torch.arange(Tb, device=tokens.device)[None]
+        valid = node < num_nodes[:, None]
+        rows, _ = cache.rows(slots, cache_lens[:, None] + node)  # padding's rows: unused
         args = (
             tokens,
             (cache_lens[:, None] + depth).long(),
             rows,
+            valid.flatten(),
             cache.block_table[slots],
             cache_lens,
             num_nodes,
@@ -185,12 +210,11 @@ class CompiledStep:
         # options= of torch.compile come too late for it): patched around every call, so that a
         # recompile sees it too
         with torch._inductor.config.patch(freezing=self.freezing):
-            if key in self.compile_s:
-                return VerifyOut(*fn(*args))
             t0 = time.perf_counter()
             out = VerifyOut(*fn(*args))
-            self.compile_s[key] = time.perf_counter() - t0
-        return out
+            if key not in self.compile_s:
+                self.compile_s[key] = time.perf_counter() - t0
+        return out if Tb == T else VerifyOut(*(t[:, :T] for t in out))
 
 
 def wanted(model: Transformer, setting: bool | str | None = None) -> bool:

@@ -78,12 +78,7 @@ def test_compiled_outputs_match_eager(model):
     assert torch.equal(out.logits[real].argmax(-1), ref.logits[real].argmax(-1))
     for a, b in zip(real_rows(eager_cache, num_nodes), real_rows(compiled_cache, num_nodes)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    # everywhere else, the committed context included, only the padding rows differ
-    lens = eager_cache.cache_lens.long()
-    padding, _ = eager_cache.rows(slots, lens[:, None] + torch.arange(4)[None], ~real)
-    for c in (eager_cache, compiled_cache):
-        c.k.view(3, -1, 2, 8)[:, padding] = 0
-        c.v.view(3, -1, 2, 8)[:, padding] = 0
+    # nothing else written (padding included)
     torch.testing.assert_close(compiled_cache.k, eager_cache.k, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled_cache.v, eager_cache.v, rtol=1e-4, atol=1e-4)
 
@@ -118,7 +113,7 @@ def test_greedy_plain_and_eagle_identical_with_compile(model):
     try:
         assert run(model, None, "chain:1", 2)[0] == plain
         assert run(model, head, "dynamic:3,2,5", 1)[0] == eagle == plain[:1] + eagle[1:]
-        assert {k[:2] for k in step.compile_s} == {(2, 1), (1, 5)}  # both really compiled
+        assert {k[:2] for k in step.compile_s} == {(2, 1), (1, 8)}  # both compiled, T=5 bucketed
     finally:
         compiled_step.disable(model)
 
@@ -127,7 +122,7 @@ def test_broken_cache_write_is_detected(model, monkeypatch):
     """A compiled step that forgets to write the K/V changes greedy decoding: the exactness
     test above can fail."""
     plain, _ = run(model, None, "chain:1", 1, prompts=[[1, 2, 3]])
-    monkeypatch.setattr(compiled_step, "write_kv", lambda *args: None)
+    monkeypatch.setattr(compiled_step, "write_kv", lambda *args: None)  # writes nothing
     compiled_step.enable(model, backend="eager")
     try:
         assert run(model, None, "chain:1", 1, prompts=[[1, 2, 3]])[0] != plain
