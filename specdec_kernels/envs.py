@@ -38,9 +38,9 @@ SPECDEC_CPU_ISA            Caps the CPU kernels' instruction set: ``avx512bf16``
 SPECDEC_COMPILE            Whether the decode engine runs the target's verify step
                            through torch.compile (``specdec.compiled_step``): ``1``
                            on, ``0`` off, ``auto`` (default, also when unset or
-                           empty): on for bf16 / fp16 models on CPU, where it was
-                           measured to pay. The CLI's ``--compile`` /
-                           ``--no-compile`` override it.
+                           empty): off for now (compile time, minutes per tree size
+                           on CPU, outweighs the per-step gain in short runs). The
+                           CLI's ``--compile`` / ``--no-compile`` override it.
 SPECDEC_CACHE_DIR          Where ``specdec`` caches the converted default model (default
                            ``~/.cache/specdec``).
 SPECDEC_TEST_DEVICE        Default of ``pytest --device`` (``cpu`` or ``cuda``).

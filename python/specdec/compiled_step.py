@@ -219,16 +219,16 @@ class CompiledStep:
 
 def wanted(model: Transformer, setting: bool | str | None = None) -> bool:
     """Whether model's verify forwards should be compiled. setting: True / False, or None /
-    "auto": SPECDEC_COMPILE's value ("auto" unset), and "auto" means on for 16-bit models on
-    CPU, where it was measured to pay (about 1.4x per step in bf16, SmolLM2-135M), off
-    elsewhere (float32: the tests' tiny models, where compile time would dominate; CUDA: not
-    measured yet)."""
+    "auto": SPECDEC_COMPILE's value ("auto" when unset). "auto" is off for now: on this
+    machine class (2 shared cores) a step is ~1.3-1.5x faster compiled in bf16, but a compile
+    costs 1-4 minutes per tree-size bucket (adaptive mode: 6 buckets), which only runs of
+    thousands of tokens earn back; it turns on where a measurement shows it pays (CUDA, a
+    persistent compile cache)."""
     if setting is None:
         setting = envs.SPECDEC_COMPILE
     if setting != "auto":
         return bool(setting)
-    w = model.tok_embeddings.weight
-    return w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16)
+    return False
 
 
 def configure(model: Transformer, setting: bool | None = None) -> CompiledStep | None:

@@ -22,8 +22,8 @@ def add_model_placement_arguments(p):
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run the verify step through torch.compile (default: SPECDEC_COMPILE, else on for "
-        "bf16 / fp16 on CPU); compiling costs about a minute per tree size on first use",
+        help="run the verify step through torch.compile (default: SPECDEC_COMPILE, else off); "
+        "faster steps, but compiling costs minutes per tree size on CPU",
     )
 
 
