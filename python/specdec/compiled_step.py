@@ -145,7 +145,8 @@ class CompiledStep:
         self.max_shapes = max_shapes
         self.fullgraph = fullgraph
         self.backend = backend
-        self.compile_s: dict[tuple, float] = {}  # (B, T, feature_layers) -> first-call seconds
+        # (B, bucket T, feature_layers, cache shape, blocks per slot) -> first-call seconds
+        self.compile_s: dict[tuple, float] = {}
         self._fns: dict[tuple, object] = {}
 
     def _compiled(self, key: tuple):
@@ -180,7 +181,9 @@ class CompiledStep:
         B, T = tokens.shape
         feature_layers = tuple(feature_layers)
         Tb = bucket(T)
-        key = (B, Tb, feature_layers)
+        # the cache's geometry too: each Engine (max_seq_len) has its own, and dynamo guards
+        # on every input shape
+        key = (B, Tb, feature_layers, tuple(cache.k.shape), cache.block_table.shape[1])
         fn = self._compiled(key)
         if fn is None:
             return self.model.eager_forward(
@@ -209,7 +212,14 @@ class CompiledStep:
         # freezing is read from the global config when dynamo hands the graph to inductor (the
         # options= of torch.compile come too late for it): patched around every call, so that a
         # recompile sees it too
-        with torch._inductor.config.patch(freezing=self.freezing):
+        # dynamo keeps every graph of _Step.forward in one process-wide cache (per code object,
+        # shared by every CompiledStep and shape): its recompile limit (8) must cover them all;
+        # max_shapes bounds what each CompiledStep adds
+        limit = max(256, torch._dynamo.config.recompile_limit)
+        with (
+            torch._inductor.config.patch(freezing=self.freezing),
+            torch._dynamo.config.patch(recompile_limit=limit),
+        ):
             t0 = time.perf_counter()
             out = VerifyOut(*fn(*args))
             if key not in self.compile_s:
