@@ -1,5 +1,5 @@
 """CompiledStep: the target's verify forward (a plain decode step is the one-node tree) run
-through torch.compile, one static-shape graph per (B, T, feature_layers) it meets.
+through torch.compile, one static-shape graph per (B, bucketed T, feature_layers, cache) it meets.
 
 Transformer.forward packs the real nodes of trees of different sizes and builds its
 AttentionMetadata from the cache with data-dependent shapes (nonzero), which a static graph
@@ -123,7 +123,7 @@ class CompiledStep:
 
     model: the target; freezing: inductor's weight freezing / prepacking (default: on CPU,
     where it pays; off on CUDA, where the weights stay parameters); mode: torch.compile's
-    mode (default "reduce-overhead", CUDA graphs, on CUDA; None on CPU); max_shapes: shapes
+    mode (default None; "reduce-overhead" needs a sync-free write_kv first); max_shapes: shapes
     compiled at most, later ones run eagerly (each costs a compile; a long-running engine meets
     few: T is fixed per tree size and B by the batch)."""
 
@@ -139,8 +139,8 @@ class CompiledStep:
         self.model = model
         device = model.tok_embeddings.weight.device
         self.freezing = device.type == "cpu" if freezing is None else freezing
-        if mode is None and device.type == "cuda" and backend == "inductor":
-            mode = "reduce-overhead"  # CUDA graphs, as gpt-fast
+        # mode None on CUDA too: write_kv's selection of the real nodes syncs, which CUDA-graph
+        # capture ("reduce-overhead", as gpt-fast) refuses; not run on a GPU yet
         self.mode = mode
         self.max_shapes = max_shapes
         self.fullgraph = fullgraph
