@@ -35,6 +35,12 @@ SPECDEC_CPU_ISA            Caps the CPU kernels' instruction set: ``avx512bf16``
                            ``avx512``, ``avx2`` or ``baseline`` (default: the best the
                            CPU has). Passed to C++ when the library loads;
                            ``specdec_kernels.set_cpu_isa(name)`` changes it at run time.
+SPECDEC_COMPILE            Whether the decode engine runs the target's verify step
+                           through torch.compile (``specdec.compiled_step``): ``1``
+                           on, ``0`` off, ``auto`` (default, also when unset or
+                           empty): off for now (compile time, minutes per tree size
+                           on CPU, outweighs the per-step gain in short runs). The
+                           CLI's ``--compile`` / ``--no-compile`` override it.
 SPECDEC_CACHE_DIR          Where ``specdec`` caches the converted default model (default
                            ``~/.cache/specdec``).
 SPECDEC_TEST_DEVICE        Default of ``pytest --device`` (``cpu`` or ``cuda``).
@@ -59,6 +65,7 @@ if TYPE_CHECKING:
     SPECDEC_BACKEND: str | None = None
     SPECDEC_VALIDATE: bool = False
     SPECDEC_CPU_ISA: str | None = None
+    SPECDEC_COMPILE: bool | str = "auto"
     SPECDEC_CACHE_DIR: str = "~/.cache/specdec"
     SPECDEC_TEST_DEVICE: str = "cpu"
     TRITON_INTERPRET: bool = False
@@ -69,6 +76,12 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 def _flag(name: str) -> bool:
     """Unset, "" and "0" are off; anything else is on."""
     return os.environ.get(name, "0") not in ("", "0")
+
+
+def _tristate(name: str) -> bool | str:
+    """"auto" when unset, empty or "auto"; else a flag (as _flag)."""
+    value = os.environ.get(name, "").strip().lower()
+    return "auto" if value in ("", "auto") else value != "0"
 
 
 def _str(name: str, default: str | None = None) -> str | None:
@@ -88,6 +101,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "SPECDEC_VALIDATE": lambda: _flag("SPECDEC_VALIDATE"),
     "SPECDEC_CPU_ISA": lambda: _str("SPECDEC_CPU_ISA"),
     # The decode engine.
+    "SPECDEC_COMPILE": lambda: _tristate("SPECDEC_COMPILE"),
     "SPECDEC_CACHE_DIR": lambda: _str(
         "SPECDEC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec")
     ),

@@ -32,6 +32,7 @@ import torch
 
 import specdec_kernels.ops as ops
 
+from . import compiled_step
 from .adaptive import CostModel, Policy
 from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
 from .drafting import BatchSampling, TreeSpec
@@ -252,6 +253,7 @@ class Engine:
         self.capacity = min(max_seq_len, self.cache.capacity - T)
         self.max_seq_len, self.tree_slack = max_seq_len, T
         self.feature_layers = tuple(drafter.feature_layers)
+        compiled_step.configure(model)  # SPECDEC_COMPILE, unless decided (the CLI's --compile)
         drafter.setup(Setup(model, self.tree, batch_size, capacity, block_size, self.device))
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None

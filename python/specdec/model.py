@@ -332,6 +332,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", inv_freq(args), persistent=False)
         self.scale = args.head_dim**-0.5
+        # a specdec.compiled_step.CompiledStep that forward() delegates to; None: not decided
+        # yet, False: eager (compiled_step.configure)
+        self.compiled_step = None
 
     def new_cache(
         self,
@@ -412,8 +415,23 @@ class Transformer(nn.Module):
             aux.append(torch.cat(feats, dim=-1)[0] if feats else h.new_empty(len(prompt), 0))
         return PrefillOut(torch.stack(logits), hidden, aux)
 
-    @torch.no_grad()
     def forward(
+        self,
+        tokens: Tensor,
+        cache: PagedKVCache,
+        slots: Tensor,
+        num_nodes: Tensor,
+        tree_mask: Tensor,
+        depth: Tensor,
+        feature_layers: Sequence[int] = (),
+    ) -> VerifyOut:
+        """eager_forward, or the CompiledStep enabled on this model (outputs at padding nodes
+        are then unspecified)."""
+        step = self.compiled_step or self.eager_forward
+        return step(tokens, cache, slots, num_nodes, tree_mask, depth, feature_layers)
+
+    @torch.no_grad()
+    def eager_forward(
         self,
         tokens: Tensor,
         cache: PagedKVCache,

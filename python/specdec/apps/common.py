@@ -1,6 +1,7 @@
 """Argument helpers the subcommands share (model placement flags, loading the model they name)
 and the machine description the benchmarks record."""
 
+import argparse
 import datetime
 import os
 import platform
@@ -17,13 +18,24 @@ def add_model_placement_arguments(p):
         default="auto",
         help="model dtype (default auto: bfloat16 on GPUs and CPUs with native bf16, else float32)",
     )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the verify step through torch.compile (default: SPECDEC_COMPILE, else off); "
+        "faster steps, but compiling costs minutes per tree size on CPU",
+    )
 
 
 def load_model_from_args(args):
+    from ..compiled_step import configure
     from ..loader import load_model, resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
-    return load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
+    dtype = resolve_dtype(args.dtype, device)
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    configure(model, getattr(args, "compile", None))  # the Engines built on it keep the choice
+    return model, tokenizer
 
 
 def machine_info(device) -> dict:
