@@ -129,3 +129,79 @@ def test_run_llamacpp_greedy(default_bf16):
         assert out[0] == mine[0]
     lookup = llamacpp_baseline.run_llamacpp(path, prompts, 12, 0.0, 1, 4, 0, eos)
     assert lookup["outputs"] == r["outputs"]  # prompt lookup is exact under greedy
+
+
+class CharTokenizer:
+    eos_token_ids = {1}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return [2] + [3 + ord(c) % 29 for c in messages[-1]["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_bench_rows_join_batch1(monkeypatch):
+    """run_bench's llama.cpp rows (run_llamacpp faked, so this runs without llama_cpp): each
+    GGUF plain and, greedy only, with prompt lookup, fed our prompt ids, token count, threads
+    and EOS ids; speedups against llama.cpp bf16 recorded. The fake "Q4_1" decodes other
+    tokens, which same_tokens_as_plain reports (the exactness column can fail)."""
+    from specdec.apps.bench import run_bench
+
+    from test_engine import tiny_model
+
+    model, tok, prompts = tiny_model(), CharTokenizer(), ["abc", "hello"]
+    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    plain = run_ours(model, tok, None, "chain:1", prompt_ids, 0.0, 1, 5, 0)["outputs"]
+    calls = []
+
+    def fake(path, ids, n, temp, threads, lookup, seed, eos):
+        calls.append((path, ids, n, temp, threads, lookup, eos))
+        outs = [list(o) for o in plain] if path == "bf16.gguf" else [[4] * n for _ in ids]
+        return {
+            "generated_tokens": 10,
+            "tokens_per_s": 50.0,
+            "mean_acceptance_length": None,
+            "outputs": outs,
+        }
+
+    monkeypatch.setattr(llamacpp_baseline, "run_llamacpp", fake)
+    result = run_bench(
+        model,
+        tok,
+        None,
+        prompts,
+        max_new_tokens=5,
+        temperatures=(0.0, 1.0),
+        batch_sizes=(),
+        log=lambda m: None,
+        hostile=False,
+        llamacpp_ggufs={"bf16": "bf16.gguf", "Q4_1": "q.gguf"},
+    )
+    greedy, sampled = result["batch1"]["0.0"], result["batch1"]["1.0"]
+    assert list(greedy) == [
+        "llama.cpp bf16",
+        "llama.cpp bf16 + prompt lookup",
+        "llama.cpp Q4_1",
+        "llama.cpp Q4_1 + prompt lookup",
+        "plain",
+    ]
+    assert list(sampled) == ["llama.cpp bf16", "llama.cpp Q4_1", "plain"]
+    threads = torch.get_num_threads()
+    assert all(c[1] == prompt_ids and c[2] == 5 and c[4] == threads for c in calls)
+    assert all(c[6] == {1} for c in calls)
+    assert [c[5] for c in calls] == [None, 10, None, 10, None, None]
+    assert greedy["llama.cpp bf16"]["same_tokens_as_plain"] == 1.0
+    assert greedy["llama.cpp Q4_1"]["same_tokens_as_plain"] == 0.0
+    assert greedy["plain"]["speedup_vs_llamacpp_bf16"] == pytest.approx(
+        greedy["plain"]["tokens_per_s"] / 50.0
+    )
+
+
+def test_bench_ggufs_skips_with_one_line_without_llama_cpp(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    lines = []
+    assert llamacpp_baseline.bench_ggufs(None, log=lines.append) is None
+    assert len(lines) == 1 and "pip install 'specdec[llamacpp]'" in lines[0]

@@ -161,3 +161,53 @@ def run_llamacpp(
         "mean_acceptance_length": None,
         "outputs": outputs,
     }
+
+
+# ---------------------------------------------------------------------- the bench rows
+PROMPT_LOOKUP_TOKENS = 10  # llama-cpp-python's default num_pred_tokens (and HF's row's)
+
+
+def bench_ggufs(model_path: str | None, log=print) -> dict | None:
+    """{label: GGUF path} of the llama.cpp rows: "bf16" (written on demand) and the GGUF's
+    native type (e.g. "Q4_1"); None, after one line saying why, when llama_cpp is not
+    importable or the model is not a GGUF."""
+    import gguf
+
+    from ..loader import default_model_path
+
+    try:
+        import_llama_cpp()
+    except LlamaCppMissingError as e:
+        log(f"[llama.cpp] rows skipped: {e}")
+        return None
+    path = model_path or default_model_path()
+    if not path.endswith(".gguf"):
+        log(f"[llama.cpp] rows skipped: {path} is not a GGUF file")
+        return None
+    field = gguf.GGUFReader(path).fields.get("general.file_type")
+    native = gguf.LlamaFileType(field.contents()).name.removeprefix("MOSTLY_") if field else "gguf"
+    return {"bf16": bf16_gguf_path(path), native: path}
+
+
+def bench_rows(ggufs: dict, prompt_ids, max_new_tokens, temperature, threads, seed, eos) -> dict:
+    """{"llama.cpp LABEL": result, "llama.cpp LABEL + prompt lookup": result (greedy only)}
+    for every GGUF of bench_ggufs, with outputs (as run_llamacpp)."""
+    rows = {}
+    for label, path in ggufs.items():
+        for lookup in (None, PROMPT_LOOKUP_TOKENS) if temperature == 0 else (None,):
+            name = f"llama.cpp {label}" + (" + prompt lookup" if lookup else "")
+            rows[name] = run_llamacpp(
+                path, prompt_ids, max_new_tokens, temperature, threads, lookup, seed, eos
+            )
+    return rows
+
+
+def config(ggufs: dict) -> dict:
+    """What the JSON records about the llama.cpp rows."""
+    llama_cpp = import_llama_cpp()
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "ggufs": ggufs,
+        "prompt_lookup_tokens": PROMPT_LOOKUP_TOKENS,
+        "kv_cache": "llama.cpp default (f16), reset per prompt",
+    }
