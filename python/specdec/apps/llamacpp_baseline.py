@@ -103,16 +103,31 @@ def load_llamacpp(gguf_path: str, threads: int, n_ctx: int, prompt_lookup: int |
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup)
-    return llama_cpp.Llama(
-        model_path=gguf_path,
-        n_ctx=n_ctx,
-        n_batch=min(n_ctx, 512),
-        n_threads=threads,
-        n_threads_batch=threads,
-        seed=seed,
-        draft_model=draft,
-        verbose=False,
-    )
+    # No weight repacking ("extra buffer types"): with llama-cpp-python 0.3.36 built with
+    # GGML_NATIVE on an AMX CPU, the repacked Q4_1 GGUF segfaults on its first decode. Llama()
+    # reads its model params from llama_model_default_params, so that is swapped meanwhile.
+    lib = llama_cpp.llama_cpp
+    default_params = lib.llama_model_default_params
+
+    def no_repack():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = no_repack
+    try:
+        return llama_cpp.Llama(
+            model_path=gguf_path,
+            n_ctx=n_ctx,
+            n_batch=min(n_ctx, 512),
+            n_threads=threads,
+            n_threads_batch=threads,
+            seed=seed,
+            draft_model=draft,
+            verbose=False,
+        )
+    finally:
+        lib.llama_model_default_params = default_params
 
 
 def run_llamacpp(
@@ -210,4 +225,5 @@ def config(ggufs: dict) -> dict:
         "ggufs": ggufs,
         "prompt_lookup_tokens": PROMPT_LOOKUP_TOKENS,
         "kv_cache": "llama.cpp default (f16), reset per prompt",
+        "weight_repacking": False,
     }
