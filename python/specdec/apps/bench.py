@@ -93,10 +93,12 @@ def run_bench(
     log=print,
     adaptive: str = "adaptive",
     hostile: bool = True,
+    llamacpp_ggufs: dict | None = None,
 ) -> dict:
     """Runs every method -> the JSON-ready result: {"config", "batch1": {temperature: {method:
     stats}}, "sweep": {method: {batch_size: stats}}, "hostile": {method: stats}}; outputs
-    dropped, exactness noted."""
+    dropped, exactness noted. llamacpp_ggufs: {label: GGUF} of llamacpp_baseline.bench_ggufs,
+    whose llama.cpp rows join batch 1 (same prompt ids, tokens and threads)."""
     from ..eagle import EagleHead
 
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -123,6 +125,19 @@ def run_bench(
     }
     for temp in temperatures:
         rows = {}
+        if llamacpp_ggufs:
+            from .llamacpp_baseline import bench_rows
+
+            t0 = time.perf_counter()
+            threads = torch.get_num_threads()
+            rows.update(
+                bench_rows(llamacpp_ggufs, prompt_ids, max_new_tokens, temp, threads, seed, eos)
+            )
+            log(
+                f"[T={temp}] "
+                + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items())
+                + f" ({time.perf_counter() - t0:.0f}s)"
+            )
         for name, kind, arg in methods(head, chain_ks, tree, adaptive, hf_model is not None):
             if kind == "hf" and arg and temp:
                 continue  # HF prompt lookup is greedy-only in our comparison
@@ -208,6 +223,10 @@ def _finish(rows: dict, greedy: bool) -> dict:
         r["speedup_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
         if "hf_plain" in rows:
             r["speedup_vs_hf_plain"] = r["tokens_per_s"] / rows["hf_plain"]["tokens_per_s"]
+        if "llama.cpp bf16" in rows:  # the issue's goals are stated against it
+            r["speedup_vs_llamacpp_bf16"] = (
+                r["tokens_per_s"] / rows["llama.cpp bf16"]["tokens_per_s"]
+            )
         if greedy:
             r["same_tokens_as_plain"] = sum(
                 a == b for a, b in zip(r["outputs"], base["outputs"])
@@ -314,11 +333,11 @@ def summary(result: dict) -> str:
         tables.append(("hostile: untrained head, greedy, batch 1", result["hostile"]))
     for title, rows in tables:
         lines.append(f"== {title} ==")
-        lines.append(f"{'method':<28}{'tok/s':>9}{'accept':>9}{'vs plain':>10}{'vs HF':>8}  exact")
+        lines.append(f"{'method':<32}{'tok/s':>9}{'accept':>9}{'vs plain':>10}{'vs HF':>8}  exact")
         for name, r in rows.items():
             acc = r.get("mean_acceptance_length")
             lines.append(
-                f"{name:<28}{r['tokens_per_s']:>9.2f}{acc if acc is None else round(acc, 3)!s:>9}"
+                f"{name:<32}{r['tokens_per_s']:>9.2f}{acc if acc is None else round(acc, 3)!s:>9}"
                 f"{r['speedup_vs_plain']:>10.2f}{r.get('speedup_vs_hf_plain', float('nan')):>8.2f}"
                 f"  {r.get('same_tokens_as_plain', '-')}"
             )
@@ -370,6 +389,12 @@ def add_arguments(p):
     )
     p.add_argument(
         "--no-hf", action="store_true", help="skip the Hugging Face transformers baselines"
+    )
+    p.add_argument(
+        "--no-llamacpp",
+        action="store_true",
+        help="skip the llama.cpp rows (bf16 and the GGUF's own type, plain and prompt lookup; "
+        "they need llama-cpp-python: pip install 'specdec[llamacpp]')",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -498,6 +523,11 @@ def run(args) -> int:
         return _run_serving(args, model, tokenizer, head, rates)
     weight = model.tok_embeddings.weight
     hf_model = None if args.no_hf else load_hf(args.model, weight.dtype, weight.device)
+    ggufs = None
+    if not args.no_llamacpp:
+        from .llamacpp_baseline import bench_ggufs
+
+        ggufs = bench_ggufs(args.model, log=lambda m: print(m, file=sys.stderr, flush=True))
     result = run_bench(
         model,
         tokenizer,
@@ -513,8 +543,13 @@ def run(args) -> int:
         log=lambda m: print(m, file=sys.stderr, flush=True),
         adaptive=args.adaptive,
         hostile=not args.no_hostile,
+        llamacpp_ggufs=ggufs,
     )
     result["config"]["head"] = args.head or "shipped"
+    if ggufs:
+        from .llamacpp_baseline import config as llamacpp_config
+
+        result["config"]["llamacpp"] = llamacpp_config(ggufs)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output + ".json", "w") as f:
         json.dump(result, f, indent=2)
