@@ -244,7 +244,10 @@ def wanted(model: Transformer, setting: bool | str | None = None) -> bool:
 def configure(model: Transformer, setting: bool | None = None) -> CompiledStep | None:
     """Applies a compile decision to model (kept by later Engines on it). setting None: a
     decision already taken stands (the CLI's --compile / --no-compile), else SPECDEC_COMPILE.
-    Returns the CompiledStep or None (eager)."""
+    Returns the CompiledStep or None (eager). Targets other than specdec's Transformer (the
+    transformers integration's HFTarget) always run eagerly."""
+    if not isinstance(model, Transformer):
+        return None
     if setting is None and model.compiled_step is not None:
         return model.compiled_step or None
     if wanted(model, setting):

@@ -176,3 +176,14 @@ def test_more_shapes_than_dynamos_recompile_limit(model):
         mask, depth = ops.build_tree_mask(root, num_nodes)
         step(torch.zeros(B, 1, dtype=torch.long), cache, torch.arange(B), num_nodes, mask, depth)
     assert len(step.compile_s) == 10
+
+
+def test_configure_leaves_other_targets_eager():
+    """Engine(target) calls configure on every target; one that is not specdec's Transformer
+    (the transformers integration's HFTarget) has no compiled step and runs eagerly."""
+
+    class OtherTarget(torch.nn.Module):
+        pass
+
+    assert compiled_step.configure(OtherTarget()) is None
+    assert compiled_step.configure(OtherTarget(), setting=True) is None
