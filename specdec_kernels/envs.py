@@ -79,7 +79,7 @@ def _flag(name: str) -> bool:
 
 
 def _tristate(name: str) -> bool | str:
-    """"auto" when unset, empty or "auto"; else a flag (as _flag)."""
+    """ "auto" when unset, empty or "auto"; else a flag (as _flag)."""
     value = os.environ.get(name, "").strip().lower()
     return "auto" if value in ("", "auto") else value != "0"
 
