@@ -321,6 +321,7 @@ def test_cli_tp2_under_torchrun_equals_tp1(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        cwd=tmp_path,  # `-m` puts the cwd first: not the checkout's sources (no built library)
     )
     [(rc, out)] = wait_all([proc])
     assert rc == 0, out[-3000:]
