@@ -41,6 +41,11 @@ SPECDEC_COMPILE            Whether the decode engine runs the target's verify st
                            empty): off for now (compile time, minutes per tree size
                            on CPU, outweighs the per-step gain in short runs). The
                            CLI's ``--compile`` / ``--no-compile`` override it.
+SPECDEC_PREPACK_WEIGHTS    Whether the decode engine runs the bf16 linear layers of
+                           the target and the drafter on CPU with oneDNN-prepacked
+                           weights (``specdec.packed_linear``): ``1`` on, ``0`` off,
+                           ``auto`` (default): on where oneDNN supports bf16 (an extra
+                           copy of the weights; ~1.4x faster projections at M <= 32).
 SPECDEC_CACHE_DIR          Where ``specdec`` caches the converted default model (default
                            ``~/.cache/specdec``).
 SPECDEC_TEST_DEVICE        Default of ``pytest --device`` (``cpu`` or ``cuda``).
@@ -66,6 +71,7 @@ if TYPE_CHECKING:
     SPECDEC_VALIDATE: bool = False
     SPECDEC_CPU_ISA: str | None = None
     SPECDEC_COMPILE: bool | str = "auto"
+    SPECDEC_PREPACK_WEIGHTS: bool | str = "auto"
     SPECDEC_CACHE_DIR: str = "~/.cache/specdec"
     SPECDEC_TEST_DEVICE: str = "cpu"
     TRITON_INTERPRET: bool = False
@@ -102,6 +108,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "SPECDEC_CPU_ISA": lambda: _str("SPECDEC_CPU_ISA"),
     # The decode engine.
     "SPECDEC_COMPILE": lambda: _tristate("SPECDEC_COMPILE"),
+    "SPECDEC_PREPACK_WEIGHTS": lambda: _tristate("SPECDEC_PREPACK_WEIGHTS"),
     "SPECDEC_CACHE_DIR": lambda: _str(
         "SPECDEC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec")
     ),

@@ -32,16 +32,16 @@ import torch
 
 import specdec_kernels.ops as ops
 
-from . import compiled_step
+from . import compiled_step, packed_linear
 from .adaptive import CostModel, Policy
 from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
 from .drafting import BatchSampling, TreeSpec
 from .errors import InvalidRequestError, InvalidTreeSpecError
+from .model import Transformer
 from .stats import Stats, timed
 
 if TYPE_CHECKING:
     from .eagle import EagleHead
-    from .model import Transformer
     from .tokenizer import Tokenizer
 
 
@@ -191,7 +191,7 @@ class Engine:
 
     def __init__(
         self,
-        model: "Transformer",
+        model: Transformer,
         tokenizer: "Tokenizer | None" = None,
         head: "EagleHead | None" = None,
         tree: TreeSpec | str = TreeSpec.DEFAULT,
@@ -254,6 +254,10 @@ class Engine:
         self.max_seq_len, self.tree_slack = max_seq_len, T
         self.feature_layers = tuple(drafter.feature_layers)
         compiled_step.configure(model)  # SPECDEC_COMPILE, unless decided (the CLI's --compile)
+        if isinstance(model, Transformer) and not model.compiled_step:
+            # SPECDEC_PREPACK_WEIGHTS (the compiled step prepacks its own; a transformers
+            # model, the integration's target, is the user's object: left as it is)
+            packed_linear.configure(model)
         drafter.setup(Setup(model, self.tree, batch_size, capacity, block_size, self.device))
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None

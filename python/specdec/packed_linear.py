@@ -1,0 +1,108 @@
+"""Weights laid out for decode: the model's bf16 linear layers run through oneDNN with their
+weights reordered once ("prepacked") into its blocked layout, instead of F.linear, which
+reorders the weight on every call.
+
+At decode sizes (M = 1..64 rows) a CPU forward is a stream over the weights; F.linear in bf16
+spends much of each call re-laying out the weight. Measured on this project's CPU (AVX512-BF16,
+AMX; benchmarks/RESULTS.md, session 6): all 30 layers' projections of SmolLM2-135M plus its
+49 152-row lm_head take ~36 ms per token through F.linear, ~26 ms prepacked, ~24 ms with a
+hand-written AVX512-BF16 GEMV (vdpbf16ps) at M = 1, which loses from M = 2 (AMX tiles win);
+so prepacked oneDNN is what runs. Results are bitwise those of F.linear up to M = 32 (the same
+oneDNN kernels, float32 accumulation), within bf16 rounding above.
+
+`configure(module)` turns every nn.Linear of a module into a PackedLinear in place (the class
+is switched: parameters, state_dict keys, isinstance(nn.Linear) and training are unchanged)
+when it pays: CPU, bfloat16 weights, oneDNN with bf16 support, SPECDEC_PREPACK_WEIGHTS not 0.
+The packed copy is an extra copy of the weights (the original stays for training, state_dict,
+tensor-parallel slicing); a weight changed in place is repacked at its next call.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec_kernels import envs
+
+
+def _supported() -> bool:
+    mkldnn = torch.backends.mkldnn
+    return bool(mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear whose inference forward reads a oneDNN-prepacked copy of its bf16 weight.
+
+    Gradients (a weight that requires grad under grad mode), torch.compile tracing and any
+    other dtype or device take F.linear, so the module stays a drop-in nn.Linear."""
+
+    _packed: Tensor | None
+    _packed_key: tuple
+
+    @classmethod
+    def convert(cls, linear: nn.Linear) -> "PackedLinear":
+        """linear, switched to this class in place (its parameters untouched)."""
+        linear.__class__ = cls
+        assert isinstance(linear, PackedLinear)
+        linear._packed, linear._packed_key = None, ()
+        return linear
+
+    def unpack(self) -> nn.Linear:
+        """Back to a plain nn.Linear, in place."""
+        del self._packed, self._packed_key
+        self.__class__ = nn.Linear  # type: ignore[assignment]
+        return self
+
+    def _weight_key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., in_features] -> [..., out_features]."""
+        w = self.weight
+        if (
+            w.dtype != torch.bfloat16
+            or x.dtype != torch.bfloat16
+            or w.device.type != "cpu"
+            or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+            or torch.compiler.is_compiling()
+        ):
+            return F.linear(x, w, self.bias)
+        key = self._weight_key()
+        if self._packed is None or key != self._packed_key:  # first call, or weight changed
+            # batch-size hint 1: measured as good as the exact M for M = 1..512 (RESULTS.md)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+            self._packed_key = key
+        bias = None if self.bias is None else self.bias.detach()
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, x.shape[-1]), self._packed, bias, "none", [], ""
+        )
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
+    """Whether module's linears should be prepacked. setting: True / False, or None / "auto":
+    SPECDEC_PREPACK_WEIGHTS ("auto" when unset): on for bf16 weights on a CPU whose oneDNN
+    supports bf16."""
+    if setting is None:
+        setting = envs.SPECDEC_PREPACK_WEIGHTS
+    if setting is False or not _supported():
+        return False
+    weights = [m.weight for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(weights) and all(
+        w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in weights
+    )
+
+
+def configure(module: nn.Module, setting: bool | str | None = None) -> int:
+    """Prepacks module's linears if `wanted` (else unpacks any packed ones) -> how many are
+    packed. Idempotent."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if not wanted(module, setting):
+        for m in linears:
+            if isinstance(m, PackedLinear):
+                m.unpack()
+        return 0
+    for m in linears:
+        if not isinstance(m, PackedLinear):
+            PackedLinear.convert(m)
+    return len(linears)
