@@ -424,4 +424,66 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
                            "cache_lens + accepted_nodes");
 }
 
+// ---- layer ops (CPU decode path) ----
+namespace {
+
+void check_activation(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(is_attn_dtype(t.scalar_type()), name, " must be float32, float16 or bfloat16, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() >= 1, name, " must have at least one dimension, got shape ", t.sizes());
+}
+
+void check_same_dtype(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                      const char* ref_name) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have the dtype of ", ref_name,
+              " (", ref.scalar_type(), "), got ", t.scalar_type());
+}
+
+}  // namespace
+
+void check_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                    const at::Tensor& weight, double eps) {
+  check_activation(x, "x");
+  check_activation(weight, "weight");
+  check_same_dtype(weight, x, "weight", "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "weight must have shape [x.size(-1)] = [", x.size(-1), "], got ", weight.sizes());
+  if (residual.has_value()) {
+    check_activation(*residual, "residual");
+    check_same_dtype(*residual, x, "residual", "x");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have the shape of x (", x.sizes(),
+                "), got ", residual->sizes());
+  }
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+}
+
+void check_rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    int64_t num_q_heads, int64_t num_kv_heads) {
+  check_activation(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 3,
+              "qkv must be [B, T, (num_q_heads + 2 * num_kv_heads) * D], got shape ", qkv.sizes());
+  TORCH_CHECK(num_q_heads >= 1 && num_kv_heads >= 1,
+              "num_q_heads and num_kv_heads must be >= 1, got ", num_q_heads, " and ",
+              num_kv_heads);
+  const int64_t heads = num_q_heads + 2 * num_kv_heads;
+  TORCH_CHECK(qkv.size(2) % heads == 0 && (qkv.size(2) / heads) % 2 == 0,
+              "qkv.size(2) = ", qkv.size(2), " must be (num_q_heads + 2 * num_kv_heads) = ", heads,
+              " times an even head dim");
+  const int64_t D = qkv.size(2) / heads;
+  for (const auto& [t, name] : {std::pair{cos, "cos"}, std::pair{sin, "sin"}}) {
+    check_activation(t, name);
+    check_same_dtype(t, qkv, name, "qkv");
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == qkv.size(0) && t.size(1) == qkv.size(1) &&
+                    t.size(2) == 1 && t.size(3) == D,
+                name, " must have shape [B, T, 1, D] = [", qkv.size(0), ", ", qkv.size(1), ", 1, ",
+                D, "], got ", t.sizes());
+  }
+}
+
+void check_silu_and_mul(const at::Tensor& x) {
+  check_activation(x, "x");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "x.size(-1) must be even ([..., 2 * H]: gate then up), got ",
+              x.size(-1));
+}
+
 }  // namespace specdec

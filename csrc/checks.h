@@ -50,4 +50,13 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
                       bool values);
 
+// The layer ops of the CPU decode path (rms_norm, add_rms_norm, rope_qkv, silu_and_mul).
+void check_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                    const at::Tensor& weight, double eps);
+
+void check_rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    int64_t num_q_heads, int64_t num_kv_heads);
+
+void check_silu_and_mul(const at::Tensor& x);
+
 }  // namespace specdec

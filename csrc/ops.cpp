@@ -105,6 +105,65 @@ void compact_kv_impl(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
          as_index(num_accepted));
 }
 
+// ---- layer ops of the CPU decode path (CPU kernels only; the meta kernels are their fakes) ----
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms_norm(x, std::nullopt, weight, eps);
+  return at::empty(x.sizes(), x.options());
+}
+
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms_norm(x, std::nullopt, weight, eps);
+  return std::get<1>(rms_norm_cpu(x, std::nullopt, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_meta(const at::Tensor& x,
+                                                     const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  check_rms_norm(x, residual, weight, eps);
+  return {at::empty(x.sizes(), x.options()), at::empty(x.sizes(), x.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_impl(const at::Tensor& x,
+                                                     const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  check_rms_norm(x, residual, weight, eps);
+  return rms_norm_cpu(x, residual, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_meta(const at::Tensor& qkv,
+                                                             const at::Tensor& cos,
+                                                             const at::Tensor& sin,
+                                                             int64_t num_q_heads,
+                                                             int64_t num_kv_heads) {
+  check_rope_qkv(qkv, cos, sin, num_q_heads, num_kv_heads);
+  const int64_t B = qkv.size(0), T = qkv.size(1);
+  const int64_t D = qkv.size(2) / (num_q_heads + 2 * num_kv_heads);
+  return {at::empty({B, T, num_q_heads, D}, qkv.options()),
+          at::empty({B, T, num_kv_heads, D}, qkv.options()),
+          at::empty({B, T, num_kv_heads, D}, qkv.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_impl(const at::Tensor& qkv,
+                                                             const at::Tensor& cos,
+                                                             const at::Tensor& sin,
+                                                             int64_t num_q_heads,
+                                                             int64_t num_kv_heads) {
+  check_rope_qkv(qkv, cos, sin, num_q_heads, num_kv_heads);
+  return rope_qkv_cpu(qkv, cos, sin, num_q_heads, num_kv_heads);
+}
+
+at::Tensor silu_and_mul_meta(const at::Tensor& x) {
+  check_silu_and_mul(x);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() /= 2;
+  return at::empty(shape, x.options());
+}
+
+at::Tensor silu_and_mul_impl(const at::Tensor& x) {
+  check_silu_and_mul(x);
+  return silu_and_mul_cpu(x);
+}
+
 // ---- _check_* : the same validation for backends that live outside C++ (Triton) ----
 void check_build_tree_mask_op(const at::Tensor& parents, const at::Tensor& num_nodes) {
   check_build_tree_mask(parents, num_nodes, should_check_values(parents));
@@ -150,6 +209,16 @@ TORCH_LIBRARY(specdec, m) {
       "compact_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
       "Tensor cache_lens, Tensor accepted_nodes, Tensor num_accepted) -> ()");
 
+  // The CPU decode path's layer ops (docs/ops.md, "Layer ops").
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
+      "(Tensor sum, Tensor normed)");
+  m.def(
+      "rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads) -> "
+      "(Tensor q, Tensor k, Tensor v)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+
   m.def("_check_build_tree_mask(Tensor parents, Tensor num_nodes) -> ()");
   m.def(
       "_check_tree_verify(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
@@ -175,6 +244,10 @@ TORCH_LIBRARY_IMPL(specdec, Meta, m) {
   m.impl("tree_verify", &tree_verify_meta);
   m.impl("tree_rejection_sample", &tree_rejection_sample_meta);
   m.impl("compact_kv", &compact_kv_meta);
+  m.impl("rms_norm", &rms_norm_meta);
+  m.impl("add_rms_norm", &add_rms_norm_meta);
+  m.impl("rope_qkv", &rope_qkv_meta);
+  m.impl("silu_and_mul", &silu_and_mul_meta);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -182,6 +255,10 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("tree_verify", &tree_verify_impl<tree_verify_cpu>);
   m.impl("tree_rejection_sample", &tree_rejection_sample_impl<tree_rejection_sample_cpu>);
   m.impl("compact_kv", &compact_kv_impl<compact_kv_cpu>);
+  m.impl("rms_norm", &rms_norm_impl);
+  m.impl("add_rms_norm", &add_rms_norm_impl);
+  m.impl("rope_qkv", &rope_qkv_impl);
+  m.impl("silu_and_mul", &silu_and_mul_impl);
 }
 
 #ifdef SPECDEC_WITH_CUDA

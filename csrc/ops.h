@@ -40,6 +40,20 @@ void compact_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
                     const at::Tensor& cache_lens, const at::Tensor& accepted_nodes,
                     const at::Tensor& num_accepted);
 
+// ---- CPU decode-path layer ops (csrc/cpu/layer_ops.cpp; CPU only) ----
+// -> (x + residual, or undefined without residual; rms_norm of it). Inputs any strides.
+std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x,
+                                                const std::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_cpu(const at::Tensor& qkv,
+                                                            const at::Tensor& cos,
+                                                            const at::Tensor& sin,
+                                                            int64_t num_q_heads,
+                                                            int64_t num_kv_heads);
+
+at::Tensor silu_and_mul_cpu(const at::Tensor& x);
+
 #ifdef SPECDEC_WITH_CUDA
 // ---- CUDA (csrc/cuda/*.cu), same contracts ----
 std::tuple<at::Tensor, at::Tensor> build_tree_mask_cuda(const at::Tensor& parents,

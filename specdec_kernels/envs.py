@@ -46,6 +46,10 @@ SPECDEC_PREPACK_WEIGHTS    Whether the decode engine runs the bf16 linear layers
                            weights (``specdec.packed_linear``): ``1`` on, ``0`` off,
                            ``auto`` (default): on where oneDNN supports bf16 (an extra
                            copy of the weights; ~1.4x faster projections at M <= 32).
+SPECDEC_LAYER_OPS          Whether the decode engine runs the RMSNorm, RoPE and SwiGLU
+                           of bf16 / fp16 models on CPU as specdec's C++ layer ops
+                           (``specdec.layer_ops``): ``1`` on, ``0`` off, ``auto``
+                           (default): on for CPU bf16 / fp16 weights.
 SPECDEC_CACHE_DIR          Where ``specdec`` caches the converted default model (default
                            ``~/.cache/specdec``).
 SPECDEC_TEST_DEVICE        Default of ``pytest --device`` (``cpu`` or ``cuda``).
@@ -72,6 +76,7 @@ if TYPE_CHECKING:
     SPECDEC_CPU_ISA: str | None = None
     SPECDEC_COMPILE: bool | str = "auto"
     SPECDEC_PREPACK_WEIGHTS: bool | str = "auto"
+    SPECDEC_LAYER_OPS: bool | str = "auto"
     SPECDEC_CACHE_DIR: str = "~/.cache/specdec"
     SPECDEC_TEST_DEVICE: str = "cpu"
     TRITON_INTERPRET: bool = False
@@ -109,6 +114,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # The decode engine.
     "SPECDEC_COMPILE": lambda: _tristate("SPECDEC_COMPILE"),
     "SPECDEC_PREPACK_WEIGHTS": lambda: _tristate("SPECDEC_PREPACK_WEIGHTS"),
+    "SPECDEC_LAYER_OPS": lambda: _tristate("SPECDEC_LAYER_OPS"),
     "SPECDEC_CACHE_DIR": lambda: _str(
         "SPECDEC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec")
     ),

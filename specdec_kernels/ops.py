@@ -233,3 +233,109 @@ def compact_kv(
     if backend == "triton":
         return _triton().compact_kv(*args)
     return reference.compact_kv(*args)
+
+
+# --------------------------------------------------------------------------- layer ops
+# The elementwise pieces of a Llama block for the CPU decode path (specdec.layer_ops): C++
+# CPU kernels ("cpp") and the references; no CUDA or Triton kernels (on GPUs torch.compile
+# fuses these). Outputs are new contiguous tensors in the input dtype, rounded per op as the
+# references (transformers) round them.
+LayerBackend = Literal["cpp", "reference"]
+
+
+def _layer_backend(backend: str | None, name: str) -> str:
+    backend = _backend(backend)
+    if backend == "triton":
+        raise NotImplementedError(f"{name} has no Triton kernel (backends: cpp, reference)")
+    return backend
+
+
+def _on_meta(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Data-free copies, so the C++ checks (run by the meta kernels) validate the reference
+    backend's inputs too."""
+    return [t.to("meta") for t in tensors]
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: LayerBackend | None = None
+) -> torch.Tensor:
+    """RMSNorm as transformers' LlamaRMSNorm.
+
+    Args:
+        x: [..., dim] float32, float16 or bfloat16.
+        weight: [dim], x's dtype.
+        eps: >= 0.
+
+    Returns:
+        [..., dim]: weight * (x * rsqrt(mean(x^2) + eps)), normalised in float32.
+    """
+    if _layer_backend(backend, "rms_norm") == "cpp":
+        return torch.ops.specdec.rms_norm(x, weight, eps)
+    torch.ops.specdec.rms_norm(*_on_meta(x, weight), eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    backend: LayerBackend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the following RMSNorm.
+
+    Args:
+        x, residual: [..., dim], the same shape and dtype (float32, float16 or bfloat16).
+        weight: [dim], x's dtype.
+        eps: >= 0.
+
+    Returns:
+        sum: [..., dim] x + residual (rounded to the dtype); normed: rms_norm(sum).
+    """
+    if _layer_backend(backend, "add_rms_norm") == "cpp":
+        return torch.ops.specdec.add_rms_norm(x, residual, weight, eps)
+    torch.ops.specdec.add_rms_norm(*_on_meta(x, residual, weight), eps)
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def rope_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    *,
+    backend: LayerBackend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Splits a fused q/k/v projection into heads and applies rotary embeddings to q and k.
+
+    Args:
+        qkv: [B, T, (num_q_heads + 2 * num_kv_heads) * D], D even.
+        cos, sin: [B, T, 1, D], qkv's dtype (as transformers computes them: float32 cos /
+            sin of position * inv_freq, rounded to the dtype).
+        num_q_heads, num_kv_heads: >= 1.
+
+    Returns:
+        q: [B, T, num_q_heads, D], k: [B, T, num_kv_heads, D], both rotated
+        (x * cos + rotate_half(x) * sin); v: [B, T, num_kv_heads, D].
+    """
+    if _layer_backend(backend, "rope_qkv") == "cpp":
+        return torch.ops.specdec.rope_qkv(qkv, cos, sin, num_q_heads, num_kv_heads)
+    torch.ops.specdec.rope_qkv(*_on_meta(qkv, cos, sin), num_q_heads, num_kv_heads)
+    return reference.rope_qkv(qkv, cos, sin, num_q_heads, num_kv_heads)
+
+
+def silu_and_mul(x: torch.Tensor, *, backend: LayerBackend | None = None) -> torch.Tensor:
+    """SwiGLU's gate.
+
+    Args:
+        x: [..., 2 * H] = [gate, up], float32, float16 or bfloat16.
+
+    Returns:
+        [..., H]: silu(gate) * up.
+    """
+    if _layer_backend(backend, "silu_and_mul") == "cpp":
+        return torch.ops.specdec.silu_and_mul(x)
+    torch.ops.specdec.silu_and_mul(*_on_meta(x))
+    return reference.silu_and_mul(x)

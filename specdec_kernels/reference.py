@@ -20,6 +20,12 @@ __all__ = [
     "process_logits",
     "tree_rejection_sample",
     "compact_kv",
+    "rms_norm",
+    "add_rms_norm",
+    "rotate_half",
+    "apply_rope",
+    "rope_qkv",
+    "silu_and_mul",
 ]
 
 
@@ -254,3 +260,51 @@ def compact_kv(
         db, do = block_table[b].long()[dst // bs], dst % bs
         for cache in (k, v):
             cache[:, db, do] = cache[:, sb, so].clone()
+
+
+# --------------------------------------------------------------------------- layer ops
+# The elementwise pieces of a Llama block as transformers computes them (the eager model,
+# specdec.model, calls these; the CPU decode path's C++ layer ops reproduce them).
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x: [..., dim]; weight: [dim] -> weight * (x * rsqrt(mean(x^2) + eps)), normalised in
+    float32 and rounded to x's dtype before the weight (transformers' LlamaRMSNorm)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """-> (x + residual, rms_norm(x + residual)): a residual add and the next norm."""
+    total = x + residual
+    return total, rms_norm(total, weight, eps)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [B, T, H, D]; cos, sin: [B, T, 1, D] -> x rotated, [B, T, H, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_qkv(
+    qkv: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """qkv: [B, T, (Hq + 2 * Hkv) * D], the fused projection; cos, sin: [B, T, 1, D] ->
+    q: [B, T, Hq, D] and k: [B, T, Hkv, D] rotated, v: [B, T, Hkv, D]."""
+    B, T, width = qkv.shape
+    D = width // (num_q_heads + 2 * num_kv_heads)
+    q, k, v = qkv.split([num_q_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
+    q = apply_rope(q.reshape(B, T, num_q_heads, D), cos, sin)
+    k = apply_rope(k.reshape(B, T, num_kv_heads, D), cos, sin)
+    return q, k, v.reshape(B, T, num_kv_heads, D)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x: [..., 2 * H] = [gate, up] -> silu(gate) * up, [..., H] (SwiGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -32,7 +32,7 @@ import torch
 
 import specdec_kernels.ops as ops
 
-from . import compiled_step, packed_linear
+from . import compiled_step, layer_ops, packed_linear
 from .adaptive import CostModel, Policy
 from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
 from .drafting import BatchSampling, TreeSpec
@@ -258,6 +258,7 @@ class Engine:
             # SPECDEC_PREPACK_WEIGHTS (the compiled step prepacks its own; a transformers
             # model, the integration's target, is the user's object: left as it is)
             packed_linear.configure(model)
+            layer_ops.configure(model)  # SPECDEC_LAYER_OPS
         drafter.setup(Setup(model, self.tree, batch_size, capacity, block_size, self.device))
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec_kernels import ops  # importing specdec_kernels registers torch.ops.specdec
+from specdec_kernels.reference import apply_rope, rms_norm, silu_and_mul
 
 from .cache import PagedKVCache
 from .config import ModelArgs
@@ -112,7 +113,22 @@ class AttentionMetadata:
         )
 
 
+def use_layer_ops(module: nn.Module, x: Tensor) -> bool:
+    """Whether module (RMSNorm, Attention, FeedForward) runs its elementwise pieces through
+    the C++ layer ops on x: switched on per module by specdec.layer_ops.configure, and only
+    for inference on CPU (training takes the autograd-able torch ops; torch.compile traces
+    them too, and fuses them itself)."""
+    return (
+        module.layer_ops
+        and x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
+
+
 class RMSNorm(nn.Module):
+    layer_ops = False  # the C++ op instead of the torch ops (use_layer_ops)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -120,9 +136,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., dim] -> [..., dim], normalised in float32."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if use_layer_ops(self, x):
+            return torch.ops.specdec.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (x + residual, forward(x + residual)), one pass with the layer ops."""
+        if use_layer_ops(self, x):
+            return torch.ops.specdec.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self(total)
 
 
 def inv_freq(args: ModelArgs) -> Tensor:
@@ -153,18 +176,10 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
     return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [B, T, H, D]; cos, sin: [B, T, 1, D] -> x rotated, [B, T, H, D]."""
-    return x * cos + rotate_half(x) * sin
-
-
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(gate) * up), gate and up from one fused w13 = [gate; up]."""
+
+    layer_ops = False  # silu_and_mul as one C++ op (use_layer_ops)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -173,8 +188,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, T, dim] -> [B, T, dim]."""
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        gate_up = self.w13(x)
+        if use_layer_ops(self, gate_up):
+            return self.w2(torch.ops.specdec.silu_and_mul(gate_up))
+        return self.w2(silu_and_mul(gate_up))
 
 
 class Attention(nn.Module):
@@ -182,6 +199,8 @@ class Attention(nn.Module):
 
     Layer `layer_idx` of the cache holds its K/V. in_dim: the input width (dim; EAGLE-3's
     head attends over [embedding; feature], 2 * dim)."""
+
+    layer_ops = False  # split + RoPE of q and k as one C++ op (use_layer_ops)
 
     def __init__(self, args: ModelArgs, layer_idx: int = 0, in_dim: int | None = None):
         super().__init__()
@@ -196,7 +215,10 @@ class Attention(nn.Module):
         """x: [B, T, in_dim]; cos, sin: [B, T, 1, D] -> q: [B, T, Hq, D] and k, v: [B, T, Hkv, D],
         q and k rotated."""
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)
+        qkv = self.wqkv(x)
+        if use_layer_ops(self, qkv) and cos.shape[:2] == (B, T) and cos.dtype == qkv.dtype:
+            return torch.ops.specdec.rope_qkv(qkv, cos, sin, self.n_heads, self.n_kv_heads)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -307,8 +329,8 @@ class TransformerBlock(nn.Module):
         attention's input when it is not attention_norm(x) (EAGLE-3: [B, T, 2 * dim]) -> [B, T,
         dim]."""
         attn_in = self.attention_norm(x) if attn_in is None else attn_in
-        h = x + self.attention(attn_in, cos, sin, meta)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, ffn_in = self.ffn_norm.add_forward(x, self.attention(attn_in, cos, sin, meta))
+        return h + self.feed_forward(ffn_in)
 
 
 def _nest_flat_block_names(state_dict: dict, prefix: str, *_) -> None:

@@ -1,0 +1,71 @@
+"""The CPU decode path, step by step: one verify forward of the default model (SmolLM2-135M,
+bf16) with the eager torch ops and F.linear, with prepacked linears (specdec.packed_linear),
+and with prepacked linears plus the C++ layer ops (specdec.layer_ops), interleaved in one
+process (each round times every variant), at tree sizes T and a context of --ctx tokens.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_path.py --threads 1 \
+        --json benchmarks/results/decode_path_cpu_t1.json
+"""
+
+import argparse
+import statistics
+
+import torch
+from common import write_json
+
+from specdec import layer_ops, packed_linear
+from specdec.loader import load_model
+from specdec_kernels import ops
+from specdec_kernels.testing import time_fn
+
+VARIANTS = {  # name: (prepacked linears, layer ops)
+    "eager": (False, False),
+    "prepacked": (True, False),
+    "prepacked+layer_ops": (True, True),
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=256, help="cached tokens before the step")
+    p.add_argument("--trees", default="1,16,32", help="tree sizes T (chains)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--json", default=None)
+    opts = p.parse_args()
+    torch.set_num_threads(opts.threads)
+    torch.manual_seed(0)
+    model, _ = load_model(None, dtype=torch.bfloat16)
+    model.compiled_step = False
+    cache = model.new_cache(1, opts.ctx + 64)
+    slots = torch.tensor([0], dtype=torch.int32)
+    model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,))], cache, slots)
+    rows = []
+    for T in [int(t) for t in opts.trees.split(",")]:
+        parents = torch.arange(-1, T - 1, dtype=torch.int32)[None]
+        num_nodes = torch.tensor([T], dtype=torch.int32)
+        mask, depth = ops.build_tree_mask(parents, num_nodes)
+        tokens = torch.randint(0, model.args.vocab_size, (1, T))
+
+        # writes the tree's K/V at ctx.. each time: the cache length stays
+        args = (tokens, cache, slots, num_nodes, mask, depth)
+
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        for _ in range(opts.rounds):
+            for name, (packed, fused) in VARIANTS.items():
+                packed_linear.configure(model, packed)
+                layer_ops.configure(model, fused)
+                times[name].append(time_fn(model.forward, 2, opts.iters, inputs=[args]) * 1e3)
+        row = {"T": T, "ctx": opts.ctx, "threads": opts.threads}
+        for name, ts in times.items():
+            row[f"{name}_ms"] = round(statistics.median(ts), 2)
+        row["speedup"] = round(row["eager_ms"] / row["prepacked+layer_ops_ms"], 3)
+        rows.append(row)
+        print(row, flush=True)
+        if opts.json:
+            write_json(opts.json, rows, {"bench": "decode_path", "dtype": "bfloat16"})
+
+
+if __name__ == "__main__":
+    main()

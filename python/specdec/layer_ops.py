@@ -1,0 +1,44 @@
+"""The C++ layer ops on the CPU decode path: RMSNorm, residual add + RMSNorm, RoPE of the
+fused q/k/v projection and SwiGLU of a model's blocks as one op each
+(torch.ops.specdec.rms_norm / add_rms_norm / rope_qkv / silu_and_mul, csrc/cpu/layer_ops.cpp)
+instead of the 5-15 small torch ops of the eager modules.
+
+At decode sizes those small ops cost their dispatch, not their arithmetic. `configure(module)`
+switches every RMSNorm, Attention and FeedForward of a module (the target, an EAGLE head) to
+the ops when it pays: CPU, bfloat16 / float16 weights, SPECDEC_LAYER_OPS not 0. float32 (the
+exactness contract's dtype) keeps the torch ops, which the references are; the ops round as
+they do, so bf16 outputs match the eager model's but for an ulp of exp / rsqrt. Training and
+torch.compile always take the torch ops (model.use_layer_ops).
+"""
+
+import torch
+from torch import nn
+
+from specdec_kernels import envs
+
+from .model import Attention, FeedForward, RMSNorm
+
+_MODULES = (RMSNorm, Attention, FeedForward)
+
+
+def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
+    """setting: True / False, or None / "auto": SPECDEC_LAYER_OPS ("auto" when unset): on
+    for CPU bf16 / fp16 weights."""
+    if setting is None:
+        setting = envs.SPECDEC_LAYER_OPS
+    if setting is False:
+        return False
+    params = list(module.parameters())
+    return bool(params) and all(
+        p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16) for p in params
+    )
+
+
+def configure(module: nn.Module, setting: bool | str | None = None) -> int:
+    """Switches the layer ops of module's blocks on if `wanted` (else off) -> how many modules
+    use them. Idempotent."""
+    on = wanted(module, setting)
+    parts = [m for m in module.modules() if isinstance(m, _MODULES)]
+    for m in parts:
+        m.layer_ops = on
+    return len(parts) if on else 0
