@@ -335,6 +335,107 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
   }
 }
 
+// ---------------------------------------------------------------- few query rows
+// A plain decode step asks only group_size rows per KV head (T = 1: typically 1-8), which
+// fill 1-8 of the 2 * W lanes of the row-panel kernels above. For at most kFewRows rows the
+// lanes run over head dims instead: each K row is converted to float once and dotted with
+// every query row (one horizontal sum per score), each V row is added to every row's output
+// with its probability broadcast. Same online softmax (base 2), and the same (o^T, max, sum)
+// left in ws, so the split merge and write_rows are shared with the panel kernels.
+constexpr int64_t kFewRows = 8;
+constexpr int64_t kFewMaxD = 256;  // larger head dims take the panel kernels
+
+// Sum of the W lanes of v by halving (log2 W shuffles and adds).
+template <int W>
+SPECDEC_INLINE float reduce_add(typename Simd<W>::f v) {
+  if constexpr (W == 16) {
+    const typename Simd<8>::f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const typename Simd<8>::f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return reduce_add<8>(lo + hi);
+  } else if constexpr (W == 8) {
+    const typename Simd<4>::f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+    const typename Simd<4>::f hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return reduce_add<4>(lo + hi);
+  } else {
+    static_assert(W == 4);
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  }
+}
+
+template <int W, typename scalar_t>
+SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
+                               int64_t s) {
+  using vfloat = typename Simd<W>::f;
+  const int64_t M = P.rows(b), D = P.D, Dw = (D + W - 1) / W * W, Mp = P.Mp;
+  alignas(64) float q[kFewRows * (kFewMaxD + 16)];  // [M, Dw], scaled, zero padded
+  alignas(64) float o[kFewRows * (kFewMaxD + 16)];  // [M, Dw] unnormalised output
+  alignas(64) float row[kFewMaxD + 16];             // one K or V row in float, zero padded
+  alignas(64) float sc[kFewRows * kTile] = {};      // [M, kTile] scores, then probabilities
+  float mx[kFewRows], l[kFewRows];
+  for (int64_t m = 0; m < M; ++m) {
+    const scalar_t* src = P.q_row(b, h, m);
+    for (int64_t d = 0; d < Dw; ++d) {
+      q[m * Dw + d] = d < D ? static_cast<float>(src[d]) * P.scale : 0.f;
+      o[m * Dw + d] = 0.f;
+    }
+    mx[m] = kNegInf;
+    l[m] = 0.f;
+  }
+  for (int64_t d = D; d < Dw; ++d) row[d] = 0.f;
+  const int64_t c = P.cache_lens[b];
+  const auto [p0, p1] = P.split_range(b, s);
+  for (int64_t p = p0; p < p1; p += kTile) {
+    const int64_t nt = std::min(kTile, p1 - p);
+    prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
+    for (int64_t j = 0; j < nt; ++j) {
+      const scalar_t* kr = P.k_row(b, p + j, h);
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(kr[d]);
+      for (int64_t m = 0; m < M; ++m) {
+        vfloat acc = {};
+        for (int64_t d = 0; d < Dw; d += W) acc += load<W>(q + m * Dw + d) * load<W>(row + d);
+        sc[m * kTile + j] = reduce_add<W>(acc);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float* sm = sc + m * kTile;
+      const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group_size) * P.mask_words;
+      for (int64_t j = std::max<int64_t>(0, c - p); j < nt; ++j) {  // tree columns
+        const int64_t node = p + j - c;
+        if (!((bits[node / 64] >> (node % 64)) & 1)) sm[j] = kNegInf;
+      }
+      float m_new = mx[m];
+      for (int64_t j = 0; j < nt; ++j) m_new = std::max(m_new, sm[j]);
+      // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
+      const float sub = m_new == kNegInf ? 0.f : m_new;
+      float sum = 0.f;
+      for (int64_t j = 0; j < nt; j += W) {  // sc rows are kTile long: whole vectors
+        const vfloat e = exp2_nonpos<W>(load<W>(sm + j) - sub);
+        store(sm + j, e);
+        for (int64_t i = 0; i < W && j + i < nt; ++i) sum += e[i];
+      }
+      const float alpha = exp2_nonpos<W>(splat<W>(mx[m] - sub))[0];
+      l[m] = l[m] * alpha + sum;
+      mx[m] = m_new;
+      for (int64_t d = 0; d < Dw; d += W) store(o + m * Dw + d, load<W>(o + m * Dw + d) * alpha);
+    }
+    for (int64_t j = 0; j < nt; ++j) {
+      const scalar_t* vr = P.v_row(b, p + j, h);
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vr[d]);
+      for (int64_t m = 0; m < M; ++m) {
+        const float pj = sc[m * kTile + j];
+        for (int64_t d = 0; d < Dw; d += W) {
+          store(o + m * Dw + d, load<W>(o + m * Dw + d) + load<W>(row + d) * pj);
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {  // the panel kernels' layout: o^T [Dp, Mp]
+    for (int64_t d = 0; d < D; ++d) ws.ot[d * Mp + m] = o[m * Dw + d];
+    ws.mx[m] = mx[m];
+    ws.l[m] = l[m];
+  }
+}
+
 // ---------------------------------------------------------------- AVX512-BF16 build
 // vdpbf16ps multiplies 16 pairs of bf16 and adds both products to 16 float lanes: with
 // lanes over rows, the pairs run over head dims in S = Q K^T (q pairs staged once per
@@ -478,7 +579,35 @@ void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64
 }
 
 template <typename scalar_t>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_few_avx512(
+    const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h, int64_t s) {
+  attend_few<16>(P, ws, b, h, s);
+}
+
+template <typename scalar_t>
+__attribute__((target("avx2,fma,f16c"))) void attend_few_avx2(const Problem<scalar_t>& P,
+                                                              Workspace& ws, int64_t b, int64_t h,
+                                                              int64_t s) {
+  attend_few<8>(P, ws, b, h, s);
+}
+
+template <typename scalar_t>
+void attend_few_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
+                         int64_t s) {
+  attend_few<4>(P, ws, b, h, s);
+}
+
+template <typename scalar_t>
 using AttendFn = void (*)(const Problem<scalar_t>&, Workspace&, int64_t, int64_t, int64_t);
+
+// The few-rows kernel for the widest build cpu_isa() allows.
+template <typename scalar_t>
+AttendFn<scalar_t> pick_attend_few() {
+  const CpuIsa isa = cpu_isa();
+  if (isa >= CpuIsa::kAvx512) return &attend_few_avx512<scalar_t>;
+  if (isa >= CpuIsa::kAvx2) return &attend_few_avx2<scalar_t>;
+  return &attend_few_baseline<scalar_t>;
+}
 
 // The widest build cpu_isa() allows for scalar_t (avx512 leaves out the bf16 dot products).
 template <typename scalar_t>
@@ -557,13 +686,14 @@ template <typename scalar_t>
 void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
   const int64_t num_splits = P.num_splits;
   const auto attend_fn = pick_attend<scalar_t>();
+  const auto attend_few_fn = P.D <= kFewMaxD ? pick_attend_few<scalar_t>() : attend_fn;
   Partials part(B * P.Hkv, num_splits, P.Mp, P.D);
   at::parallel_for(0, B * P.Hkv * num_splits, 1, [&](int64_t t0, int64_t t1) {
     Workspace ws(P.Mp, P.Dp);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (P.Hkv * num_splits), h = (t / num_splits) % P.Hkv;
       const int64_t s = t % num_splits;
-      attend_fn(P, ws, b, h, s);
+      (P.rows(b) <= kFewRows ? attend_few_fn : attend_fn)(P, ws, b, h, s);
       if (num_splits == 1) {
         write_rows(P, out, b, h, ws.ot, ws.l);
       } else {

@@ -154,6 +154,27 @@ def test_cpu_isa_builds(isa, dtype, device, cpu_isa):
     check(make_case(2, 20, 8, 2, 40, 4, dtype, device, cache_lens=[300, 7]), "cpp")
 
 
+FEW_ROWS_SHAPES = [(1, 9, 3, 64), (2, 8, 2, 40), (1, 32, 4, 128), (1, 2, 1, 8), (1, 4, 4, 300)]
+
+
+@pytest.mark.parametrize("T, Hq, Hkv, D", FEW_ROWS_SHAPES)
+def test_few_query_rows_long_context(T, Hq, Hkv, D, device, backend):
+    """A plain decode step (T = 1) and a 2-node tree ask at most 8 query rows per KV head
+    (the CPU kernel then runs its lanes over head dims): contexts of many 64-position key
+    tiles, uneven, one empty; D = 300 is past that kernel's limit (the panel kernel runs)."""
+    case = make_case(3, T, Hq, Hkv, D, 16, torch.float32, device, cache_lens=[1000, 130, 0])
+    check(case, backend)
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T, Hq, Hkv, D", FEW_ROWS_SHAPES[:3])
+def test_few_query_rows_cpu_builds(T, Hq, Hkv, D, isa, dtype, device, cpu_isa):
+    _skip_unless_isa(isa, device)
+    cpu_isa(isa)
+    check(make_case(2, T, Hq, Hkv, D, 16, dtype, device, cache_lens=[700, 65]), "cpp")
+
+
 @pytest.mark.parametrize("D", [35, 128])
 def test_bf16_dot_product_build(D, device, cpu_isa):
     """The vdpbf16ps build pairs head dims (odd D: a zero partner) and key positions (a
