@@ -337,8 +337,9 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
 
 // ---------------------------------------------------------------- few query rows
 // A plain decode step asks only group_size rows per KV head (T = 1: typically 1-8), which
-// fill 1-8 of the 2 * W lanes of the row-panel kernels above. For at most kFewRows rows the
-// lanes run over head dims instead: each K row is converted to float once and dotted with
+// fill 1-8 of the 2 * W lanes of the row-panel kernels above. For at most kFewRows rows of
+// float16 / bfloat16 (float32 stays on the panel kernels, see tree_verify_typed) the lanes
+// run over head dims instead: each K row is converted to float once and dotted with
 // every query row (one horizontal sum per score), each V row is added to every row's output
 // with its probability broadcast. Same online softmax (base 2), and the same (o^T, max, sum)
 // left in ws, so the split merge and write_rows are shared with the panel kernels.
@@ -686,7 +687,11 @@ template <typename scalar_t>
 void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
   const int64_t num_splits = P.num_splits;
   const auto attend_fn = pick_attend<scalar_t>();
-  const auto attend_few_fn = P.D <= kFewMaxD ? pick_attend_few<scalar_t>() : attend_fn;
+  // float32 keeps the panel kernels for every row count: they compute each row the same way
+  // whatever the other rows, so a plain step and a tree verify give a node bitwise the same
+  // attention (the float32 exactness contract: greedy speculation == plain decoding).
+  const bool few_rows_kernel = P.D <= kFewMaxD && !std::is_same_v<scalar_t, float>;
+  const auto attend_few_fn = few_rows_kernel ? pick_attend_few<scalar_t>() : attend_fn;
   Partials part(B * P.Hkv, num_splits, P.Mp, P.D);
   at::parallel_for(0, B * P.Hkv * num_splits, 1, [&](int64_t t0, int64_t t1) {
     Workspace ws(P.Mp, P.Dp);

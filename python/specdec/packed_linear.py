@@ -36,7 +36,7 @@ class PackedLinear(nn.Linear):
     other dtype or device take F.linear, so the module stays a drop-in nn.Linear."""
 
     _packed: Tensor | None
-    _packed_key: tuple
+    _packed_key: tuple  # (data_ptr, version) of the weight it was packed from
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> "PackedLinear":
@@ -52,10 +52,6 @@ class PackedLinear(nn.Linear):
         self.__class__ = nn.Linear  # type: ignore[assignment]
         return self
 
-    def _weight_key(self) -> tuple:
-        w = self.weight
-        return (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape))
-
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., in_features] -> [..., out_features]."""
         w = self.weight
@@ -67,8 +63,10 @@ class PackedLinear(nn.Linear):
             or torch.compiler.is_compiling()
         ):
             return F.linear(x, w, self.bias)
-        key = self._weight_key()
-        if self._packed is None or key != self._packed_key:  # first call, or weight changed
+        # a new tensor (load_state_dict's copy_ bumps the version; a new dtype, device or
+        # shape is new storage) or an in-place change: repack
+        key = (w.data_ptr(), w._version)
+        if self._packed is None or key != self._packed_key:
             # batch-size hint 1: measured as good as the exact M for M = 1..512 (RESULTS.md)
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
             self._packed_key = key

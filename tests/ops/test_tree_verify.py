@@ -161,9 +161,28 @@ FEW_ROWS_SHAPES = [(1, 9, 3, 64), (2, 8, 2, 40), (1, 32, 4, 128), (1, 2, 1, 8), 
 def test_few_query_rows_long_context(T, Hq, Hkv, D, device, backend):
     """A plain decode step (T = 1) and a 2-node tree ask at most 8 query rows per KV head
     (the CPU kernel then runs its lanes over head dims): contexts of many 64-position key
-    tiles, uneven, one empty; D = 300 is past that kernel's limit (the panel kernel runs)."""
-    case = make_case(3, T, Hq, Hkv, D, 16, torch.float32, device, cache_lens=[1000, 130, 0])
+    tiles, uneven, one empty; D = 300 is past that kernel's limit (the panel kernel runs).
+    float16: the CPU kernel keeps float32 on the panel kernels (row-invariant numerics)."""
+    case = make_case(3, T, Hq, Hkv, D, 16, torch.float16, device, cache_lens=[1000, 130, 0])
     check(case, backend)
+
+
+@pytest.mark.parametrize("ctx", [5, 300])
+def test_float32_node_output_independent_of_tree_size(ctx, device):
+    """float32 is the exactness contract: the root of a 12-node tree gets bitwise the
+    attention output a plain step (T = 1) gets for the same query and cache, so greedy
+    speculation reproduces plain decoding (the C++ CPU kernel keeps float32 on row-invariant
+    kernels for every row count)."""
+    if device.type != "cpu":
+        pytest.skip("the CPU kernel's property")
+    tree = make_case(1, 12, 9, 3, 64, 16, torch.float32, device, cache_lens=[ctx], full=True)
+    plain = dict(tree, q=tree["q"][:, :1].contiguous(), num_nodes=torch.ones(1, dtype=torch.int32))
+    plain["tree_mask"], _ = reference.build_tree_mask(
+        torch.full((1, 1), -1, dtype=torch.int32), plain["num_nodes"]
+    )
+    whole = sk.tree_verify(**tree, backend="cpp")
+    root = sk.tree_verify(**plain, backend="cpp")
+    assert torch.equal(whole[:, :1], root)
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
