@@ -113,13 +113,13 @@ class AttentionMetadata:
         )
 
 
-def use_layer_ops(module: nn.Module, x: Tensor) -> bool:
+def use_layer_ops(module: "RMSNorm | Attention | FeedForward", x: Tensor) -> bool:
     """Whether module (RMSNorm, Attention, FeedForward) runs its elementwise pieces through
     the C++ layer ops on x: switched on per module by specdec.layer_ops.configure, and only
     for inference on CPU (training takes the autograd-able torch ops; torch.compile traces
     them too, and fuses them itself)."""
     return (
-        module.layer_ops
+        module.layer_ops is True
         and x.device.type == "cpu"
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
