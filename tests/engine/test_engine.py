@@ -84,6 +84,17 @@ def run(model, head, tree, batch_size, params=None, prompts=PROMPTS, **kw):
     return [r.token_ids for r in results], stats
 
 
+def bf16_run(tree, monkeypatch, **env):
+    """Greedy tokens of a bf16 contextual tiny model with a random EAGLE-2 head, the engine run
+    under the environment variables env -> (tokens, model, head)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
+    head = EagleHead.random(model, version=2, seed=0).to(torch.bfloat16)
+    tokens, _ = run(model, head, tree, batch_size=2)
+    return tokens, model, head
+
+
 @pytest.mark.parametrize(
     "head_kind", ["oracle-eagle2", "oracle-eagle2-draft-vocab", "random-eagle3"]
 )

@@ -6,10 +6,9 @@ import torch
 
 import specdec_kernels.ops as ops
 from specdec import layer_ops
-from specdec.eagle import EagleHead
 from specdec.model import Attention, FeedForward, RMSNorm
 
-from test_engine import run, tiny_model
+from test_engine import bf16_run, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -65,10 +64,7 @@ def test_forward_same_as_torch_ops(dtype):
 def test_engine_bf16_tokens_with_and_without(tree, monkeypatch):
     outs = []
     for setting in ("0", "1"):
-        monkeypatch.setenv("SPECDEC_LAYER_OPS", setting)
-        model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
-        head = EagleHead.random(model, version=2, seed=0).to(torch.bfloat16)
-        tokens, _ = run(model, head, tree, batch_size=2)
+        tokens, model, head = bf16_run(tree, monkeypatch, SPECDEC_LAYER_OPS=setting)
         assert all(m.layer_ops == (setting == "1") for m in parts(model) + parts(head))
         outs.append(tokens)
     assert outs[0] == outs[1]

@@ -9,10 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec import packed_linear
-from specdec.eagle import EagleHead
 from specdec.packed_linear import PackedLinear
 
-from test_engine import run, tiny_model
+from test_engine import bf16_run, tiny_model
 
 SUPPORTED = packed_linear._supported()
 needs_bf16 = pytest.mark.skipif(not SUPPORTED, reason="oneDNN without bf16 on this CPU")
@@ -102,10 +101,7 @@ def test_engine_bf16_same_tokens_packed_or_not(tree, monkeypatch):
     rows per matmul) the numbers are bitwise those of F.linear, so the tokens are too."""
     outs = []
     for setting in ("0", "1"):
-        monkeypatch.setenv("SPECDEC_PREPACK_WEIGHTS", setting)
-        model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
-        head = EagleHead.random(model, version=2, seed=0).to(torch.bfloat16)
-        tokens, _ = run(model, head, tree, batch_size=2)
+        tokens, model, head = bf16_run(tree, monkeypatch, SPECDEC_PREPACK_WEIGHTS=setting)
         packed = {type(m) for m in (*model.modules(), *head.modules()) if isinstance(m, nn.Linear)}
         assert packed == ({PackedLinear} if setting == "1" else {nn.Linear})
         outs.append(tokens)
