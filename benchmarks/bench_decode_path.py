@@ -1,7 +1,9 @@
 """The CPU decode path, step by step: one verify forward of the default model (SmolLM2-135M,
 bf16) with the eager torch ops and F.linear, with prepacked linears (specdec.packed_linear),
-and with prepacked linears plus the C++ layer ops (specdec.layer_ops), interleaved in one
-process (each round times every variant), at tree sizes T and a context of --ctx tokens.
+and with prepacked linears plus the C++ layer ops (specdec.layer_ops), and with --compile the
+compiled step (specdec.compiled_step: torch.compile with inductor's weight freezing, compile
+time reported apart), interleaved in one process (each round times every variant), at tree
+sizes T and a context of --ctx tokens.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_path.py --threads 1 \
         --json benchmarks/results/decode_path_cpu_t1.json
@@ -9,11 +11,12 @@ process (each round times every variant), at tree sizes T and a context of --ctx
 
 import argparse
 import statistics
+import time
 
 import torch
 from common import write_json
 
-from specdec import layer_ops, packed_linear
+from specdec import compiled_step, layer_ops, packed_linear
 from specdec.loader import load_model
 from specdec_kernels import ops
 from specdec_kernels.testing import time_fn
@@ -32,12 +35,18 @@ def main():
     p.add_argument("--trees", default="1,16,32", help="tree sizes T (chains)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--compile", action="store_true", help="add the compiled step")
     p.add_argument("--json", default=None)
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
     model, _ = load_model(None, dtype=torch.bfloat16)
     model.compiled_step = False
+    variants = dict(VARIANTS)
+    step = None
+    if opts.compile:
+        variants["compiled"] = (False, False)
+        step = compiled_step.CompiledStep(model)
     cache = model.new_cache(1, opts.ctx + 64)
     slots = torch.tensor([0], dtype=torch.int32)
     model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,))], cache, slots)
@@ -51,13 +60,21 @@ def main():
         # writes the tree's K/V at ctx.. each time: the cache length stays
         args = (tokens, cache, slots, num_nodes, mask, depth)
 
-        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        row = {"T": T, "ctx": opts.ctx, "threads": opts.threads}
+        if step is not None:  # compile this T's graph once, outside the timed rounds
+            packed_linear.configure(model, False)
+            layer_ops.configure(model, False)
+            model.compiled_step = step
+            t0 = time.perf_counter()
+            model.forward(*args)
+            row["compile_s"] = round(time.perf_counter() - t0, 1)
+        times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(opts.rounds):
-            for name, (packed, fused) in VARIANTS.items():
+            for name, (packed, fused) in variants.items():
                 packed_linear.configure(model, packed)
                 layer_ops.configure(model, fused)
+                model.compiled_step = step if name == "compiled" else False
                 times[name].append(time_fn(model.forward, 2, opts.iters, inputs=[args]) * 1e3)
-        row = {"T": T, "ctx": opts.ctx, "threads": opts.threads}
         for name, ts in times.items():
             row[f"{name}_ms"] = round(statistics.median(ts), 2)
         row["speedup"] = round(row["eager_ms"] / row["prepacked+layer_ops_ms"], 3)

@@ -21,7 +21,6 @@ import collections
 import heapq
 import itertools
 import operator
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ import specdec_kernels.ops as ops
 
 from . import compiled_step, layer_ops, packed_linear
 from .adaptive import CostModel, Policy
+from .device_memory import free_memory
 from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
 from .drafting import BatchSampling, TreeSpec
 from .errors import InvalidRequestError, InvalidTreeSpecError
@@ -286,7 +286,7 @@ class Engine:
         need += (
             2 * batch_size * T * a.vocab_size * 4
         )  # the verify logits, float32, and the sampler's copy
-        free = _free_memory(self.device)
+        free = free_memory(self.device)
         if free is not None and need > free:
             raise InvalidRequestError(
                 f"batch_size {batch_size} needs about {need / 2**30:.1f} GiB for its KV caches "
@@ -735,23 +735,6 @@ def join_errors(messages: list, limit: int = 3) -> str:
         return messages[0]
     more = f"; and {len(messages) - limit} more" if len(messages) > limit else ""
     return f"no valid request ({len(messages)} invalid): " + "; ".join(messages[:limit]) + more
-
-
-def _free_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on device (None: unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
 
 
 class Run:

@@ -10,8 +10,9 @@ hand-written AVX512-BF16 GEMV (vdpbf16ps) at M = 1, which loses from M = 2 (AMX 
 so prepacked oneDNN is what runs. Results are bitwise those of F.linear up to M = 32 (the same
 oneDNN kernels, float32 accumulation), within bf16 rounding above.
 
-`configure(module)` turns every nn.Linear of a module into a PackedLinear in place (the class
-is switched: parameters, state_dict keys, isinstance(nn.Linear) and training are unchanged)
+`configure(module)` turns every plain nn.Linear of a module (not subclasses with a forward of
+their own, such as tp.RowParallelLinear) into a PackedLinear in place (the class is switched:
+parameters, state_dict keys, isinstance(nn.Linear) and training are unchanged)
 when it pays: CPU, bfloat16 weights, oneDNN with bf16 support, SPECDEC_PREPACK_WEIGHTS not 0.
 The packed copy is an extra copy of the weights (the original stays for training, state_dict,
 tensor-parallel slicing); a weight changed in place is repacked at its next call.
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec_kernels import envs
+
+from .device_memory import free_memory
 
 
 def _supported() -> bool:
@@ -77,24 +80,34 @@ class PackedLinear(nn.Linear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def _plain_linears(module: nn.Module) -> list[nn.Linear]:
+    """module's nn.Linear modules, and PackedLinear ones, but no other subclass: a subclass with
+    its own forward (tp.RowParallelLinear's all_reduce) must keep it."""
+    return [m for m in module.modules() if type(m) in (nn.Linear, PackedLinear)]
+
+
 def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
     """Whether module's linears should be prepacked. setting: True / False, or None / "auto":
     SPECDEC_PREPACK_WEIGHTS ("auto" when unset): on for bf16 weights on a CPU whose oneDNN
-    supports bf16."""
+    supports bf16, when the packed copy takes at most half the memory still available."""
     if setting is None:
         setting = envs.SPECDEC_PREPACK_WEIGHTS
     if setting is False or not _supported():
         return False
-    weights = [m.weight for m in module.modules() if isinstance(m, nn.Linear)]
-    return bool(weights) and all(
-        w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in weights
-    )
+    weights = [m.weight for m in _plain_linears(module)]
+    if not weights or any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights):
+        return False
+    if setting == "auto":  # the packed copy must not crowd out the KV caches
+        copy_bytes = sum({w.data_ptr(): w.nbytes for w in weights}.values())
+        free = free_memory(torch.device("cpu"))
+        return free is None or copy_bytes <= free // 2
+    return True
 
 
 def configure(module: nn.Module, setting: bool | str | None = None) -> int:
     """Prepacks module's linears if `wanted` (else unpacks any packed ones) -> how many are
     packed. Idempotent."""
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    linears = _plain_linears(module)
     if not wanted(module, setting):
         for m in linears:
             if isinstance(m, PackedLinear):

@@ -92,6 +92,10 @@ def test_configure_switch_and_state_dict(monkeypatch):
     assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
     # float32 models are never packed: the exactness contract's dtype keeps F.linear
     assert packed_linear.configure(tiny_model(), True) == 0
+    # "auto" leaves the weights alone when their packed copy would not fit in half the memory
+    monkeypatch.setattr(packed_linear, "free_memory", lambda device: 1000)
+    assert packed_linear.configure(model) == 0
+    assert packed_linear.configure(model, True) == (n_linear if SUPPORTED else 0)  # asked for
 
 
 @needs_bf16
@@ -106,3 +110,17 @@ def test_engine_bf16_same_tokens_packed_or_not(tree, monkeypatch):
         assert packed == ({PackedLinear} if setting == "1" else {nn.Linear})
         outs.append(tokens)
     assert outs[0] == outs[1]
+
+
+def test_subclasses_with_their_own_forward_are_left_alone():
+    """Tensor parallelism's row-parallel linear sums its partial outputs in forward: switching
+    its class would drop the all_reduce."""
+    from specdec.tp import RowParallelLinear
+
+    model = tiny_model().to(torch.bfloat16)
+    block = model.layers[0]
+    row_parallel = RowParallelLinear(64, 32, bias=False).to(torch.bfloat16)
+    block.feed_forward.w2 = row_parallel
+    packed_linear.configure(model, True)
+    assert type(block.feed_forward.w2) is RowParallelLinear
+    assert type(block.attention.wo) is (PackedLinear if SUPPORTED else nn.Linear)
