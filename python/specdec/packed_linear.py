@@ -80,10 +80,13 @@ class PackedLinear(nn.Linear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+_PLAIN = (nn.Linear, PackedLinear)
+
+
 def _plain_linears(module: nn.Module) -> list[nn.Linear]:
     """module's nn.Linear modules, and PackedLinear ones, but no other subclass: a subclass with
     its own forward (tp.RowParallelLinear's all_reduce) must keep it."""
-    return [m for m in module.modules() if type(m) in (nn.Linear, PackedLinear)]
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and type(m) in _PLAIN]
 
 
 def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
