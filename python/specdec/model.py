@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec_kernels import ops  # importing specdec_kernels registers torch.ops.specdec
-from specdec_kernels.reference import apply_rope, rms_norm, silu_and_mul
+from specdec_kernels.reference import rms_norm, rope_qkv, silu_and_mul
 
 from .cache import PagedKVCache
 from .config import ModelArgs
@@ -214,15 +214,10 @@ class Attention(nn.Module):
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x: [B, T, in_dim]; cos, sin: [B, T, 1, D] -> q: [B, T, Hq, D] and k, v: [B, T, Hkv, D],
         q and k rotated."""
-        B, T, _ = x.shape
         qkv = self.wqkv(x)
-        if use_layer_ops(self, qkv) and cos.shape[:2] == (B, T) and cos.dtype == qkv.dtype:
+        if use_layer_ops(self, qkv) and cos.shape[:2] == qkv.shape[:2] and cos.dtype == qkv.dtype:
             return torch.ops.specdec.rope_qkv(qkv, cos, sin, self.n_heads, self.n_kv_heads)
-        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return rope_qkv(qkv, cos, sin, self.n_heads, self.n_kv_heads)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         """Writes k, v into the cache rows of `meta`, then attends.
