@@ -1,6 +1,7 @@
 """The CPU decode path, step by step: one verify forward of the default model (SmolLM2-135M,
 bf16) with the eager torch ops and F.linear, with prepacked linears (specdec.packed_linear),
-and with prepacked linears plus the C++ layer ops (specdec.layer_ops), and with --compile the
+with prepacked linears plus the C++ layer ops (specdec.layer_ops), with each block as one
+C++ call (torch.ops.specdec.decode_layer), and with --compile the
 compiled step (specdec.compiled_step: torch.compile with inductor's weight freezing, compile
 time reported apart), interleaved in one process (each round times every variant), at tree
 sizes T and a context of --ctx tokens.
@@ -21,10 +22,11 @@ from specdec.loader import load_model
 from specdec_kernels import ops
 from specdec_kernels.testing import time_fn
 
-VARIANTS = {  # name: (prepacked linears, layer ops)
-    "eager": (False, False),
-    "prepacked": (True, False),
-    "prepacked+layer_ops": (True, True),
+VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer)
+    "eager": (False, False, False),
+    "prepacked": (True, False, False),
+    "prepacked+layer_ops": (True, True, False),
+    "prepacked+decode_layer": (True, True, True),
 }
 
 
@@ -45,7 +47,7 @@ def main():
     variants = dict(VARIANTS)
     step = None
     if opts.compile:
-        variants["compiled"] = (False, False)
+        variants["compiled"] = (False, False, False)
         step = compiled_step.CompiledStep(model)
     cache = model.new_cache(1, opts.ctx + 64)
     slots = torch.tensor([0], dtype=torch.int32)
@@ -70,14 +72,14 @@ def main():
             row["compile_s"] = round(time.perf_counter() - t0, 1)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(opts.rounds):
-            for name, (packed, fused) in variants.items():
+            for name, (packed, fused, layer) in variants.items():
                 packed_linear.configure(model, packed)
-                layer_ops.configure(model, fused)
+                layer_ops.configure(model, fused, decode_layer=layer)
                 model.compiled_step = step if name == "compiled" else False
                 times[name].append(time_fn(model.forward, 2, opts.iters, inputs=[args]) * 1e3)
         for name, ts in times.items():
             row[f"{name}_ms"] = round(statistics.median(ts), 2)
-        row["speedup"] = round(row["eager_ms"] / row["prepacked+layer_ops_ms"], 3)
+        row["speedup"] = round(row["eager_ms"] / row["prepacked+decode_layer_ms"], 3)
         rows.append(row)
         print(row, flush=True)
         if opts.json:

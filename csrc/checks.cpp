@@ -486,4 +486,88 @@ void check_silu_and_mul(const at::Tensor& x) {
               x.size(-1));
 }
 
+void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+                        const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
+                        const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                        const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
+                        const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                        int64_t num_kv_heads, const at::Tensor& rows,
+                        const std::optional<at::Tensor>& picked, bool packed) {
+  check_activation(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1,
+              "x must be [B, M, dim] with B, M >= 1, got shape ", x.sizes());
+  const int64_t dim = x.size(2);
+  for (const auto& [w, name] :
+       {std::pair<const at::Tensor&, const char*>{attention_norm_weight, "attention_norm_weight"},
+        {ffn_norm_weight, "ffn_norm_weight"}}) {
+    check_same_dtype(w, x, name, "x");
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == dim, name, " must have shape [dim] = [", dim,
+                "], got ", w.sizes());
+  }
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK(num_q_heads >= 1 && num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0,
+              "num_q_heads must be a positive multiple of num_kv_heads >= 1, got ", num_q_heads,
+              " and ", num_kv_heads);
+  const int64_t heads = num_q_heads + 2 * num_kv_heads;
+  for (const auto& [w, name] : {std::pair<const at::Tensor&, const char*>{wqkv, "wqkv"},
+                                {wo, "wo"},
+                                {w13, "w13"},
+                                {w2, "w2"}}) {
+    check_same_dtype(w, x, name, "x");
+    TORCH_CHECK(w.dim() == 2, name, " must be a 2-D [out_features, in_features] weight, got shape ",
+                w.sizes());
+    TORCH_CHECK(w.is_mkldnn() == prepacked, name,
+                prepacked ? " must be prepacked (mkldnn._reorder_linear_weight) when prepacked"
+                          : " must be a plain strided weight when prepacked is false");
+  }
+  TORCH_CHECK(wqkv.size(1) == dim, "wqkv must have in_features = dim = ", dim, ", got shape ",
+              wqkv.sizes());
+  TORCH_CHECK(wqkv.size(0) % heads == 0 && (wqkv.size(0) / heads) % 2 == 0,
+              "wqkv.size(0) = ", wqkv.size(0),
+              " must be (num_q_heads + 2 * num_kv_heads) = ", heads, " times an even head dim");
+  const int64_t D = wqkv.size(0) / heads;
+  if (wqkv_bias.has_value()) {
+    check_same_dtype(*wqkv_bias, x, "wqkv_bias", "x");
+    TORCH_CHECK(wqkv_bias->dim() == 1 && wqkv_bias->size(0) == wqkv.size(0),
+                "wqkv_bias must have shape [wqkv.size(0)] = [", wqkv.size(0), "], got ",
+                wqkv_bias->sizes());
+  }
+  TORCH_CHECK(wo.size(0) == dim && wo.size(1) == num_q_heads * D,
+              "wo must have shape [dim, num_q_heads * D] = [", dim, ", ", num_q_heads * D,
+              "], got ", wo.sizes());
+  TORCH_CHECK(w13.size(1) == dim && w13.size(0) % 2 == 0,
+              "w13 must have shape [2 * hidden_dim, dim] (gate then up), got ", w13.sizes());
+  TORCH_CHECK(w2.size(0) == dim && w2.size(1) == w13.size(0) / 2,
+              "w2 must have shape [dim, hidden_dim] = [", dim, ", ", w13.size(0) / 2, "], got ",
+              w2.sizes());
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
+    check_same_dtype(t, x, name, "x");
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == x.size(0) && t.size(1) == x.size(1) &&
+                    t.size(2) == 1 && t.size(3) == D,
+                name, " must have shape [B, M, 1, D] = [", x.size(0), ", ", x.size(1), ", 1, ", D,
+                "], got ", t.sizes());
+  }
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1,
+              "rows must be a 1-D int64 tensor of cache rows, got ", rows.scalar_type(), " ",
+              rows.sizes());
+  if (picked.has_value()) {
+    TORCH_CHECK(picked->scalar_type() == at::kLong && picked->dim() == 1,
+                "picked must be a 1-D int64 tensor, got ", picked->scalar_type(), " ",
+                picked->sizes());
+    TORCH_CHECK(picked->size(0) == rows.size(0), "picked must have one entry per row of rows (",
+                rows.size(0), "), got ", picked->size(0));
+  }
+  if (packed) {
+    TORCH_CHECK(picked.has_value(), "packed needs picked (the tree slot of every token of x)");
+    TORCH_CHECK(x.size(0) == 1 && x.size(1) == rows.size(0),
+                "packed: x must be [1, N, dim] with N = rows.size(0) = ", rows.size(0), ", got ",
+                x.sizes());
+  } else if (!picked.has_value()) {
+    TORCH_CHECK(rows.size(0) == x.size(0) * x.size(1),
+                "rows must have one entry per token of x (B * M = ", x.size(0) * x.size(1),
+                "), got ", rows.size(0));
+  }
+}
+
 }  // namespace specdec

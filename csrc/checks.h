@@ -59,4 +59,13 @@ void check_rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 
 void check_silu_and_mul(const at::Tensor& x);
 
+// decode_layer's own arguments (its attention part is then checked by check_tree_verify).
+void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+                        const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
+                        const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                        const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
+                        const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                        int64_t num_kv_heads, const at::Tensor& rows,
+                        const std::optional<at::Tensor>& picked, bool packed);
+
 }  // namespace specdec

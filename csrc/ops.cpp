@@ -164,6 +164,69 @@ at::Tensor silu_and_mul_impl(const at::Tensor& x) {
   return silu_and_mul_cpu(x);
 }
 
+// ---- decode_layer: one decoder layer of a CPU decode / verify step (csrc/cpu/decode_layer.cpp)
+// Everything is validated before the layer writes its K/V: the layer's own arguments, then the
+// attention's through check_tree_verify on a stand-in for the q the layer will compute.
+void check_decode_layer_all(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+                            const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
+                            const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                            const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
+                            const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                            int64_t num_kv_heads, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& rows,
+                            const std::optional<at::Tensor>& picked, bool packed,
+                            const at::Tensor& block_table, const at::Tensor& cache_lens,
+                            const at::Tensor& num_nodes, const at::Tensor& tree_mask,
+                            double sm_scale) {
+  check_decode_layer(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13, w2,
+                     prepacked, cos, sin, num_q_heads, num_kv_heads, rows, picked, packed);
+  const int64_t D = wqkv.size(0) / (num_q_heads + 2 * num_kv_heads);
+  TORCH_CHECK(tree_mask.dim() == 3, "tree_mask must be [B, T, ceil(T/64)], got shape ",
+              tree_mask.sizes());
+  const at::Tensor q =
+      packed ? at::empty({tree_mask.size(0), tree_mask.size(1), num_q_heads, D}, x.options())
+             : at::empty({x.size(0), x.size(1), num_q_heads, D}, x.options());
+  check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
+                    should_check_values(x));
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads, "k_cache must hold num_kv_heads = ", num_kv_heads,
+              " heads, got shape ", k_cache.sizes());
+}
+
+at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+                             const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
+                             const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                             const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
+                             const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                             int64_t num_kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
+                             const at::Tensor& rows, const std::optional<at::Tensor>& picked,
+                             bool packed, const at::Tensor& block_table,
+                             const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                             const at::Tensor& tree_mask, double sm_scale) {
+  check_decode_layer_all(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13,
+                         w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows,
+                         picked, packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
+  return at::empty(x.sizes(), x.options());
+}
+
+at::Tensor decode_layer_impl(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+                             const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
+                             const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                             const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
+                             const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                             int64_t num_kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
+                             const at::Tensor& rows, const std::optional<at::Tensor>& picked,
+                             bool packed, const at::Tensor& block_table,
+                             const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                             const at::Tensor& tree_mask, double sm_scale) {
+  check_decode_layer_all(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13,
+                         w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows,
+                         picked, packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
+  return decode_layer_cpu(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13,
+                          w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache,
+                          rows, picked, packed, as_index(block_table), as_index(cache_lens),
+                          as_index(num_nodes), tree_mask.contiguous(), sm_scale);
+}
+
 // ---- _check_* : the same validation for backends that live outside C++ (Triton) ----
 void check_build_tree_mask_op(const at::Tensor& parents, const at::Tensor& num_nodes) {
   check_build_tree_mask(parents, num_nodes, should_check_values(parents));
@@ -218,6 +281,12 @@ TORCH_LIBRARY(specdec, m) {
       "rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads) -> "
       "(Tensor q, Tensor k, Tensor v)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "decode_layer(Tensor x, Tensor attention_norm_weight, Tensor ffn_norm_weight, float eps, "
+      "Tensor wqkv, Tensor? wqkv_bias, Tensor wo, Tensor w13, Tensor w2, bool prepacked, "
+      "Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor rows, Tensor? picked, bool packed, Tensor block_table, "
+      "Tensor cache_lens, Tensor num_nodes, Tensor tree_mask, float sm_scale) -> Tensor");
 
   m.def("_check_build_tree_mask(Tensor parents, Tensor num_nodes) -> ()");
   m.def(
@@ -248,6 +317,7 @@ TORCH_LIBRARY_IMPL(specdec, Meta, m) {
   m.impl("add_rms_norm", &add_rms_norm_meta);
   m.impl("rope_qkv", &rope_qkv_meta);
   m.impl("silu_and_mul", &silu_and_mul_meta);
+  m.impl("decode_layer", &decode_layer_meta);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -259,7 +329,12 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm_impl);
   m.impl("rope_qkv", &rope_qkv_impl);
   m.impl("silu_and_mul", &silu_and_mul_impl);
+  m.impl("decode_layer", &decode_layer_impl);
 }
+
+// Prepacked weights are oneDNN tensors (dispatch key MkldnnCPU), which outrank CPU in the
+// dispatch: decode_layer with them lands here, and runs the same CPU implementation.
+TORCH_LIBRARY_IMPL(specdec, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer_impl); }
 
 #ifdef SPECDEC_WITH_CUDA
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {

@@ -54,6 +54,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_cpu(const at::Tensor& qk
 
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 
+// One decoder layer of a decode / verify step (csrc/cpu/decode_layer.cpp); the index tensors
+// as tree_verify_cpu takes them. Writes the new tokens' K/V into k_cache / v_cache at rows.
+at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+                            const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
+                            const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                            const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
+                            const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                            int64_t num_kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
+                            const at::Tensor& rows, const std::optional<at::Tensor>& picked,
+                            bool packed, const at::Tensor& block_table,
+                            const at::Tensor& cache_lens, const at::Tensor& num_nodes,
+                            const at::Tensor& tree_mask, double sm_scale);
+
 #ifdef SPECDEC_WITH_CUDA
 // ---- CUDA (csrc/cuda/*.cu), same contracts ----
 std::tuple<at::Tensor, at::Tensor> build_tree_mask_cuda(const at::Tensor& parents,

@@ -26,6 +26,7 @@ __all__ = [
     "apply_rope",
     "rope_qkv",
     "silu_and_mul",
+    "decode_layer",
 ]
 
 
@@ -308,3 +309,58 @@ def silu_and_mul(x: Tensor) -> Tensor:
     """x: [..., 2 * H] = [gate, up] -> silu(gate) * up, [..., H] (SwiGLU)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def decode_layer(
+    x: Tensor,
+    attention_norm_weight: Tensor,
+    ffn_norm_weight: Tensor,
+    eps: float,
+    wqkv: Tensor,
+    wqkv_bias: Tensor | None,
+    wo: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    rows: Tensor,
+    picked: Tensor | None,
+    packed: bool,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    num_nodes: Tensor,
+    tree_mask: Tensor,
+    sm_scale: float,
+) -> Tensor:
+    """One Llama decoder layer of a verify step over the paged cache (the model's
+    TransformerBlock: pre-norm attention then SwiGLU MLP, residuals), writing the new tokens'
+    K/V into k_cache / v_cache [num_blocks, block_size, Hkv, D] (contiguous) at `rows`.
+
+    x: [B, M, dim] the new tokens (nodes 0..M-1 of trees of T = M nodes), or with `packed`
+    [1, N, dim] the real nodes only, node picked[i] of the flattened [B, T] trees; weights
+    [out, in]; cos, sin: [B, M, 1, D]; rows: int64 [N] physical cache rows of the tokens
+    written (without packed: of the entries `picked` of the flattened [B * M] tokens, all when
+    picked is None) -> [B, M, dim] (packed: [1, N, dim])."""
+    B, M, _ = x.shape
+    qkv = F.linear(rms_norm(x, attention_norm_weight, eps), wqkv, wqkv_bias)
+    q, k, v = rope_qkv(qkv, cos, sin, num_q_heads, num_kv_heads)
+    D = q.shape[-1]
+    k_rows, v_rows = k.reshape(-1, num_kv_heads, D), v.reshape(-1, num_kv_heads, D)
+    if picked is not None and not packed:
+        k_rows, v_rows = k_rows[picked], v_rows[picked]
+    k_cache.view(-1, num_kv_heads, D).index_copy_(0, rows, k_rows.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, D).index_copy_(0, rows, v_rows.to(v_cache.dtype))
+    if packed:
+        assert picked is not None
+        tree_batch, T = tree_mask.shape[:2]
+        q_tree = q.new_zeros(tree_batch * T, num_q_heads, D).index_copy_(0, picked, q[0])
+        q = q_tree.view(tree_batch, T, num_q_heads, D)
+    out = tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale)
+    if packed:
+        out = out.reshape(-1, num_q_heads, D)[picked][None]
+    total, normed = add_rms_norm(x, F.linear(out.reshape(B, M, -1), wo), ffn_norm_weight, eps)
+    return total + F.linear(silu_and_mul(F.linear(normed, w13)), w2)

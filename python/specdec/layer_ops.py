@@ -1,7 +1,9 @@
 """The C++ layer ops on the CPU decode path: RMSNorm, residual add + RMSNorm, RoPE of the
 fused q/k/v projection and SwiGLU of a model's blocks as one op each
 (torch.ops.specdec.rms_norm / add_rms_norm / rope_qkv / silu_and_mul, csrc/cpu/layer_ops.cpp)
-instead of the 5-15 small torch ops of the eager modules.
+instead of the 5-15 small torch ops of the eager modules; and a verify step's whole block as
+one C++ call (torch.ops.specdec.decode_layer, csrc/cpu/decode_layer.cpp: the same kernels back
+to back, without the ~12 Python-level calls between them).
 
 At decode sizes those small ops cost their dispatch, not their arithmetic. `configure(module)`
 switches every RMSNorm, Attention and FeedForward of a module (the target, an EAGLE head) to
@@ -16,9 +18,9 @@ from torch import nn
 
 from specdec_kernels import envs
 
-from .model import Attention, FeedForward, RMSNorm
+from .model import Attention, FeedForward, RMSNorm, TransformerBlock
 
-_MODULES = (RMSNorm, Attention, FeedForward)
+_MODULES = (RMSNorm, Attention, FeedForward, TransformerBlock)
 
 
 def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
@@ -34,11 +36,15 @@ def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
     )
 
 
-def configure(module: nn.Module, setting: bool | str | None = None) -> int:
+def configure(
+    module: nn.Module, setting: bool | str | None = None, decode_layer: bool = True
+) -> int:
     """Switches the layer ops of module's blocks on if `wanted` (else off) -> how many modules
-    use them. Idempotent."""
+    use them. decode_layer: whether a verify step's TransformerBlock then runs as one
+    torch.ops.specdec.decode_layer call (the same kernels as its modules, from C++; off only
+    to measure what it saves). Idempotent."""
     on = wanted(module, setting)
     parts = [m for m in module.modules() if isinstance(m, _MODULES)]
     for m in parts:
-        m.layer_ops = on
+        m.layer_ops = on and (decode_layer or not isinstance(m, TransformerBlock))
     return len(parts) if on else 0

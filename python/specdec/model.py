@@ -26,6 +26,7 @@ from specdec_kernels.reference import rms_norm, rope_qkv, silu_and_mul
 
 from .cache import PagedKVCache
 from .config import ModelArgs
+from .packed_linear import PackedLinear
 
 # A custom attention (q [B, T, Hq, D], k, v [B, T, Hkv, D]) -> [B, T, Hq, D], used instead of
 # AttentionMetadata by differentiable training passes (train.head_train_forward).
@@ -304,6 +305,10 @@ _FLAT_BLOCK_NAMES = {
 class TransformerBlock(nn.Module):
     """x + Attention(attention_norm(x)), then + FeedForward(ffn_norm(.)) (pre-norm residuals)."""
 
+    # a verify step's block as one C++ call (torch.ops.specdec.decode_layer) when its modules
+    # use the layer ops (specdec.layer_ops.configure switches both)
+    layer_ops = False
+
     def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
@@ -323,9 +328,76 @@ class TransformerBlock(nn.Module):
         """x: [B, T, dim]; cos, sin: [B, T, 1, D]; meta: see Attention.forward; attn_in: the
         attention's input when it is not attention_norm(x) (EAGLE-3: [B, T, 2 * dim]) -> [B, T,
         dim]."""
+        if attn_in is None and isinstance(meta, AttentionMetadata):
+            out = self._decode_layer(x, cos, sin, meta)
+            if out is not None:
+                return out
         attn_in = self.attention_norm(x) if attn_in is None else attn_in
         h, ffn_in = self.ffn_norm.add_forward(x, self.attention(attn_in, cos, sin, meta))
         return h + self.feed_forward(ffn_in)
+
+    def _decode_layer(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata
+    ) -> Tensor | None:
+        """forward as one torch.ops.specdec.decode_layer call (bitwise the modules' result: the
+        same kernels in the same order), or None where the modules must run: not a verify step
+        from tree node 0, no layer ops (training, torch.compile, float32, other devices), no
+        input norm (EAGLE heads), or linears that are not plain (tensor parallelism's
+        all-reducing ones)."""
+        attn, ff = self.attention, self.feed_forward
+        if (
+            not self.layer_ops
+            or meta.mode != "verify"
+            or meta.start != 0
+            or not use_layer_ops(attn, x)
+            or cos.dtype != x.dtype
+            or cos.shape[:2] != x.shape[:2]
+            or type(self.attention_norm) is not RMSNorm  # EAGLE heads: nn.Identity
+            or type(self.ffn_norm) is not RMSNorm
+            or self.attention_norm.eps != self.ffn_norm.eps
+            or (not meta.packed and x.shape[1] != meta.tree_mask.shape[1])  # type: ignore[union-attr]
+        ):
+            return None
+        linears = (attn.wqkv, attn.wo, ff.w13, ff.w2)
+        kinds = {type(m) for m in linears}
+        if kinds == {PackedLinear}:
+            weights = [m.packed_weight(x) for m in linears]  # type: ignore[operator]
+            prepacked = True
+        elif kinds == {nn.Linear}:
+            weights, prepacked = [m.weight for m in linears], False
+        else:
+            return None
+        if prepacked and any(w is None for w in weights):
+            return None
+        if attn.wo.bias is not None or ff.w13.bias is not None or ff.w2.bias is not None:
+            return None
+        cache = meta.cache
+        return torch.ops.specdec.decode_layer(
+            x,
+            self.attention_norm.weight,
+            self.ffn_norm.weight,
+            self.attention_norm.eps,
+            weights[0],
+            attn.wqkv.bias,
+            weights[1],
+            weights[2],
+            weights[3],
+            prepacked,
+            cos,
+            sin,
+            attn.n_heads,
+            attn.n_kv_heads,
+            cache.k[attn.layer_idx],
+            cache.v[attn.layer_idx],
+            meta.rows,
+            meta.picked,
+            meta.packed,
+            meta.block_table,
+            meta.cache_lens,
+            meta.num_nodes,
+            meta.tree_mask,
+            attn.scale,
+        )
 
 
 def _nest_flat_block_names(state_dict: dict, prefix: str, *_) -> None:

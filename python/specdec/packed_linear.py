@@ -55,8 +55,9 @@ class PackedLinear(nn.Linear):
         self.__class__ = nn.Linear  # type: ignore[assignment]
         return self
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x: [..., in_features] -> [..., out_features]."""
+    def packed_weight(self, x: Tensor) -> Tensor | None:
+        """The prepacked weight (packed now if the weight changed) when forward(x) takes the
+        packed path, else None."""
         w = self.weight
         if (
             w.dtype != torch.bfloat16
@@ -65,7 +66,7 @@ class PackedLinear(nn.Linear):
             or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
             or torch.compiler.is_compiling()
         ):
-            return F.linear(x, w, self.bias)
+            return None
         # a new tensor (load_state_dict's copy_ bumps the version; a new dtype, device or
         # shape is new storage) or an in-place change: repack
         key = (w.data_ptr(), w._version)
@@ -73,9 +74,16 @@ class PackedLinear(nn.Linear):
             # batch-size hint 1: measured as good as the exact M for M = 1..512 (RESULTS.md)
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
             self._packed_key = key
+        return self._packed
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., in_features] -> [..., out_features]."""
+        packed = self.packed_weight(x)
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, x.shape[-1]), self._packed, bias, "none", [], ""
+            x.reshape(-1, x.shape[-1]), packed, bias, "none", [], ""
         )
         return y.view(*x.shape[:-1], y.shape[-1])
 

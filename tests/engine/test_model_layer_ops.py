@@ -1,12 +1,13 @@
 """The C++ layer ops in the model (specdec.layer_ops): the switch, the same forward outputs and
-greedy tokens as the torch ops in bf16, training untouched."""
+greedy tokens as the torch ops in bf16, a verify step's block as one decode_layer call bit for
+bit the modules' result, training untouched."""
 
 import pytest
 import torch
 
 import specdec_kernels.ops as ops
-from specdec import layer_ops
-from specdec.model import Attention, FeedForward, RMSNorm
+from specdec import layer_ops, packed_linear
+from specdec.model import Attention, FeedForward, RMSNorm, TransformerBlock
 
 from test_engine import bf16_run, tiny_model
 
@@ -14,7 +15,11 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def parts(module):
-    return [m for m in module.modules() if isinstance(m, (RMSNorm, Attention, FeedForward))]
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, (RMSNorm, Attention, FeedForward, TransformerBlock))
+    ]
 
 
 def test_configure_switch(monkeypatch):
@@ -68,6 +73,69 @@ def test_engine_bf16_tokens_with_and_without(tree, monkeypatch):
         assert all(m.layer_ops == (setting == "1") for m in parts(model) + parts(head))
         outs.append(tokens)
     assert outs[0] == outs[1]
+
+
+def count_decode_layer_calls(monkeypatch):
+    """-> a list that records, per block forward in verify mode, whether decode_layer ran."""
+    calls = []
+    original = TransformerBlock._decode_layer
+
+    def recorded(self, *args):
+        out = original(self, *args)
+        if args[-1].mode == "verify":
+            calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(TransformerBlock, "_decode_layer", recorded)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "dtype,prepack", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, False)]
+)
+def test_decode_layer_bitwise_the_modules(dtype, prepack, monkeypatch):
+    """Verify forwards (padded trees of 4 and 2 nodes: packed rows; then full trees) with each
+    block as one decode_layer call equal the modules' outputs and cache bit for bit."""
+    calls = count_decode_layer_calls(monkeypatch)
+    model = tiny_model(layer_scale=1.0, seed=1).to(dtype)
+    packed_linear.configure(model, prepack)
+    outs = []
+    for on in (False, True):
+        layer_ops.configure(model, True, decode_layer=on)
+        calls.clear()
+        torch.manual_seed(0)
+        cache, slots, prompts, args = verify_inputs(model)
+        model.prefill(prompts, cache, slots)
+        ragged = model.forward(*args)
+        parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]], dtype=torch.int32)
+        mask, depth = ops.build_tree_mask(parents, torch.tensor([4, 4], dtype=torch.int32))
+        full = model.forward(
+            args[0], cache, slots, torch.tensor([4, 4], dtype=torch.int32), mask, depth, (1,)
+        )
+        outs.append((*ragged, *full, cache.k, cache.v))
+        n = len(model.layers) * 2
+        assert calls == [on] * n  # the op ran (or not) in every block of both forwards
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_decode_layer_leaves_other_linears_to_the_modules(monkeypatch):
+    """A block whose linears are not plain (tensor parallelism's all-reducing RowParallelLinear
+    is such a subclass) runs its modules."""
+    calls = count_decode_layer_calls(monkeypatch)
+
+    class Reducing(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    model = tiny_model().to(torch.bfloat16)
+    layer_ops.configure(model, True)
+    for block in model.layers:
+        block.attention.wo.__class__ = Reducing
+    cache, slots, prompts, args = verify_inputs(model)
+    model.prefill(prompts, cache, slots)
+    model.forward(*args)
+    assert calls and not any(calls)
 
 
 def test_training_takes_the_torch_ops():
