@@ -31,7 +31,7 @@ import torch
 
 import specdec_kernels.ops as ops
 
-from . import compiled_step, layer_ops, packed_linear
+from . import compiled_step, decode_path
 from .adaptive import CostModel, Policy
 from .device_memory import free_memory
 from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
@@ -257,8 +257,7 @@ class Engine:
         if isinstance(model, Transformer) and not model.compiled_step:
             # SPECDEC_PREPACK_WEIGHTS (the compiled step prepacks its own; a transformers
             # model, the integration's target, is the user's object: left as it is)
-            packed_linear.configure(model)
-            layer_ops.configure(model)  # SPECDEC_LAYER_OPS
+            decode_path.configure(model)
         drafter.setup(Setup(model, self.tree, batch_size, capacity, block_size, self.device))
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None

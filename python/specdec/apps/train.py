@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 import specdec_kernels.ops as ops
 
-from .. import layer_ops, packed_linear
+from .. import decode_path
 from ..errors import InvalidRequestError
 from .train_utils import CHECKPOINT, _bar, _checkpoint, _resume, _smooth, frequent_tokens
 
@@ -132,8 +132,7 @@ def generate_shards(
     bf16 [N, len(feature_layers) * dim]: the pre-norm outputs of those target layers."""
     os.makedirs(data_dir, exist_ok=True)
     # the engine's CPU decode path (bf16: prepacked linears, C++ layer ops) for generation too
-    packed_linear.configure(model)
-    layer_ops.configure(model)
+    decode_path.configure(model)
     # everything that decides a shard's content (not the prompt count: the prompt list is
     # prefix-stable in --num-prompts, so a run can be extended with more shards)
     manifest = {

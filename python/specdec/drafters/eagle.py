@@ -13,7 +13,7 @@ import torch
 
 import specdec_kernels.ops as ops
 
-from .. import drafting, layer_ops, packed_linear
+from .. import decode_path, drafting
 from ..adaptive import CostModel
 from .base import Drafter, Proposal
 
@@ -40,8 +40,7 @@ class EagleDrafter(Drafter):
 
     def setup(self, setup) -> None:
         head = self.head
-        packed_linear.configure(head)  # SPECDEC_PREPACK_WEIGHTS and SPECDEC_LAYER_OPS, as
-        layer_ops.configure(head)  # the target's
+        decode_path.configure(head)  # as the target's
         self.tree, self.device = setup.tree, setup.device
         self.cache = head.new_cache(
             setup.batch_size, self.cache_positions(setup.tree, setup.capacity), setup.block_size
