@@ -190,6 +190,25 @@ void check_decode_layer_all(const at::Tensor& x, const at::Tensor& attention_nor
                     should_check_values(x));
   TORCH_CHECK(k_cache.size(2) == num_kv_heads, "k_cache must hold num_kv_heads = ", num_kv_heads,
               " heads, got shape ", k_cache.sizes());
+  if (!should_check_values(x)) return;
+  // index_copy_ / index_select bound these too, but only after writing the rows before a bad
+  // one: checked here, before the layer writes anything.
+  const auto check_range = [](const at::Tensor& t, const char* name, int64_t limit,
+                              const char* what) {
+    if (t.numel() == 0) return;
+    const auto [lo, hi] = at::aminmax(t);
+    const int64_t min = lo.item<int64_t>(), max = hi.item<int64_t>();
+    TORCH_CHECK(min >= 0 && max < limit, name, " must lie in [0, ", what, " = ", limit,
+                "), got values in [", min, ", ", max, "]");
+  };
+  check_range(rows, "rows", k_cache.size(0) * k_cache.size(1), "num_blocks * block_size");
+  if (picked.has_value()) {
+    if (packed) {
+      check_range(*picked, "picked", tree_mask.size(0) * tree_mask.size(1), "B * T");
+    } else {
+      check_range(*picked, "picked", x.size(0) * x.size(1), "B * M");
+    }
+  }
 }
 
 at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& attention_norm_weight,
