@@ -60,6 +60,17 @@ void check_position(int64_t cache_len, int64_t end, int64_t b, const char* end_w
               "] = ", cache_len, ")");
 }
 
+// Every value of a 1-D int64 index tensor lies in [0, limit). Used before a kernel that writes
+// through the indices: ATen's index_copy_ bounds them too, but only after writing the rows
+// before a bad one.
+void check_index_range(const at::Tensor& t, const char* name, int64_t limit, const char* what) {
+  if (t.numel() == 0) return;
+  const auto [lo, hi] = at::aminmax(t);
+  const int64_t min = lo.item<int64_t>(), max = hi.item<int64_t>();
+  TORCH_CHECK(min >= 0 && max < limit, name, " must lie in [0, ", what, " = ", limit,
+              "), got values in [", min, ", ", max, "]");
+}
+
 // num_nodes in [1, T], parents[b, 0] == -1, 0 <= parents[b, i] < i for 1 <= i < num_nodes[b].
 void check_tree_values(const at::Tensor& parents, const at::Tensor& num_nodes) {
   const at::Tensor p = host_index(parents), n = host_index(num_nodes);
@@ -491,8 +502,10 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
                         const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
                         const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
                         const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
-                        int64_t num_kv_heads, const at::Tensor& rows,
-                        const std::optional<at::Tensor>& picked, bool packed) {
+                        int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& rows, const std::optional<at::Tensor>& picked,
+                        bool packed, const at::Tensor& block_table, const at::Tensor& cache_lens,
+                        const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale) {
   check_activation(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1,
               "x must be [B, M, dim] with B, M >= 1, got shape ", x.sizes());
@@ -567,6 +580,26 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
     TORCH_CHECK(rows.size(0) == x.size(0) * x.size(1),
                 "rows must have one entry per token of x (B * M = ", x.size(0) * x.size(1),
                 "), got ", rows.size(0));
+  }
+  // The attention: check_tree_verify on a stand-in (no data) for the q the layer will compute.
+  TORCH_CHECK(tree_mask.dim() == 3, "tree_mask must be [B, T, ceil(T/64)], got shape ",
+              tree_mask.sizes());
+  const at::Tensor q =
+      packed ? at::empty({tree_mask.size(0), tree_mask.size(1), num_q_heads, D}, x.options())
+             : at::empty({x.size(0), x.size(1), num_q_heads, D}, x.options());
+  const bool check_values = should_check_values(x);
+  check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
+                    check_values);
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads, "k_cache must hold num_kv_heads = ", num_kv_heads,
+              " heads, got shape ", k_cache.sizes());
+  if (!check_values) return;
+  check_index_range(rows, "rows", k_cache.size(0) * k_cache.size(1), "num_blocks * block_size");
+  if (picked.has_value()) {
+    if (packed) {
+      check_index_range(*picked, "picked", tree_mask.size(0) * tree_mask.size(1), "B * T");
+    } else {
+      check_index_range(*picked, "picked", x.size(0) * x.size(1), "B * M");
+    }
   }
 }
 

@@ -59,13 +59,17 @@ void check_rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 
 void check_silu_and_mul(const at::Tensor& x);
 
-// decode_layer's own arguments (its attention part is then checked by check_tree_verify).
+// Everything decode_layer reads, checked before it writes its K/V: the layer's own arguments,
+// its attention's (check_tree_verify on a stand-in for the q it will compute) and, when values
+// are checked, rows within the cache and picked within the tokens.
 void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_weight,
                         const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
                         const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
                         const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
                         const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
-                        int64_t num_kv_heads, const at::Tensor& rows,
-                        const std::optional<at::Tensor>& picked, bool packed);
+                        int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& rows, const std::optional<at::Tensor>& picked,
+                        bool packed, const at::Tensor& block_table, const at::Tensor& cache_lens,
+                        const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale);
 
 }  // namespace specdec

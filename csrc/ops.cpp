@@ -165,52 +165,6 @@ at::Tensor silu_and_mul_impl(const at::Tensor& x) {
 }
 
 // ---- decode_layer: one decoder layer of a CPU decode / verify step (csrc/cpu/decode_layer.cpp)
-// Everything is validated before the layer writes its K/V: the layer's own arguments, then the
-// attention's through check_tree_verify on a stand-in for the q the layer will compute.
-void check_decode_layer_all(const at::Tensor& x, const at::Tensor& attention_norm_weight,
-                            const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
-                            const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
-                            const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
-                            const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
-                            int64_t num_kv_heads, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& rows,
-                            const std::optional<at::Tensor>& picked, bool packed,
-                            const at::Tensor& block_table, const at::Tensor& cache_lens,
-                            const at::Tensor& num_nodes, const at::Tensor& tree_mask,
-                            double sm_scale) {
-  check_decode_layer(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13, w2,
-                     prepacked, cos, sin, num_q_heads, num_kv_heads, rows, picked, packed);
-  const int64_t D = wqkv.size(0) / (num_q_heads + 2 * num_kv_heads);
-  TORCH_CHECK(tree_mask.dim() == 3, "tree_mask must be [B, T, ceil(T/64)], got shape ",
-              tree_mask.sizes());
-  const at::Tensor q =
-      packed ? at::empty({tree_mask.size(0), tree_mask.size(1), num_q_heads, D}, x.options())
-             : at::empty({x.size(0), x.size(1), num_q_heads, D}, x.options());
-  check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
-                    should_check_values(x));
-  TORCH_CHECK(k_cache.size(2) == num_kv_heads, "k_cache must hold num_kv_heads = ", num_kv_heads,
-              " heads, got shape ", k_cache.sizes());
-  if (!should_check_values(x)) return;
-  // index_copy_ / index_select bound these too, but only after writing the rows before a bad
-  // one: checked here, before the layer writes anything.
-  const auto check_range = [](const at::Tensor& t, const char* name, int64_t limit,
-                              const char* what) {
-    if (t.numel() == 0) return;
-    const auto [lo, hi] = at::aminmax(t);
-    const int64_t min = lo.item<int64_t>(), max = hi.item<int64_t>();
-    TORCH_CHECK(min >= 0 && max < limit, name, " must lie in [0, ", what, " = ", limit,
-                "), got values in [", min, ", ", max, "]");
-  };
-  check_range(rows, "rows", k_cache.size(0) * k_cache.size(1), "num_blocks * block_size");
-  if (picked.has_value()) {
-    if (packed) {
-      check_range(*picked, "picked", tree_mask.size(0) * tree_mask.size(1), "B * T");
-    } else {
-      check_range(*picked, "picked", x.size(0) * x.size(1), "B * M");
-    }
-  }
-}
-
 at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& attention_norm_weight,
                              const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
                              const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
@@ -221,9 +175,9 @@ at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& attention_no
                              bool packed, const at::Tensor& block_table,
                              const at::Tensor& cache_lens, const at::Tensor& num_nodes,
                              const at::Tensor& tree_mask, double sm_scale) {
-  check_decode_layer_all(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13,
-                         w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows,
-                         picked, packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
+  check_decode_layer(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13, w2,
+                     prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows, picked,
+                     packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
   return at::empty(x.sizes(), x.options());
 }
 
@@ -237,9 +191,9 @@ at::Tensor decode_layer_impl(const at::Tensor& x, const at::Tensor& attention_no
                              bool packed, const at::Tensor& block_table,
                              const at::Tensor& cache_lens, const at::Tensor& num_nodes,
                              const at::Tensor& tree_mask, double sm_scale) {
-  check_decode_layer_all(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13,
-                         w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows,
-                         picked, packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
+  check_decode_layer(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13, w2,
+                     prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows, picked,
+                     packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
   return decode_layer_cpu(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13,
                           w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache,
                           rows, picked, packed, as_index(block_table), as_index(cache_lens),
