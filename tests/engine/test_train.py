@@ -13,6 +13,7 @@ from specdec.apps.train import (
     data_feature_layers,
     generate_batch,
     generate_shards,
+    head_loss,
     head_train_forward,
     load_shards,
     make_batch,
@@ -235,6 +236,87 @@ def test_training_time_test_and_bf16_output(target, data_dir, tmp_path):
     weights = load_file(os.path.join(out, "model.safetensors"))
     assert {w.dtype for w in weights.values()} == {torch.bfloat16}
     assert load_head(out, target).fc.weight.dtype == torch.float32  # loaded in the target's dtype
+
+
+@pytest.mark.parametrize("perturb", [0.0, 0.3])
+def test_distribution_token_loss_is_cross_entropy_to_the_targets_distribution(
+    target, data_dir, monkeypatch, perturb
+):
+    """token_loss "distribution": cross-entropy of the head's logits against softmax(feature
+    t + 1 @ lm_head rows) over every scored position (float64 oracle here). A head that
+    reproduces the target's feature reaches the distribution's entropy (its minimum) and no
+    feature loss; a perturbed one pays more than the entropy."""
+    import specdec.apps.train as train_mod
+
+    batch = make_batch(load_shards(data_dir))
+    _, _, feat_out, labels, mask = batch
+    gen = torch.Generator().manual_seed(1)
+    pred = feat_out + perturb * torch.randn(feat_out.shape, generator=gen)
+    monkeypatch.setattr(train_mod, "head_train_forward", lambda *a, **k: [pred])
+    head = EagleHead.random(target).float()
+    vocab = torch.unique(labels[mask])[:-2]  # two labels outside: "distribution" keeps them
+    loss, fl, tl, _ = head_loss(head, batch, vocab, 0.0, token_loss="distribution")
+
+    w = target.output.weight[vocab].double()
+    p = torch.softmax(feat_out[mask].double() @ w.T, -1)
+    log_q = torch.log_softmax(pred[mask].double() @ w.T, -1)
+    want = -(p * log_q).sum(-1).mean()
+    entropy = -(p * p.log()).sum(-1).mean()
+    torch.testing.assert_close(tl.double(), want, rtol=1e-5, atol=1e-6)
+    if perturb == 0.0:
+        torch.testing.assert_close(tl.double(), entropy, rtol=1e-5, atol=1e-6)
+        assert fl.item() == 0.0
+    else:
+        assert tl.item() > entropy.item() + 1e-3 and fl.item() > 0
+    torch.testing.assert_close(loss, 1.0 * fl + 0.1 * tl)
+    # the label loss on the same prediction is another number (positions outside vocab left out)
+    _, _, tl_label, _ = head_loss(head, batch, vocab, 0.0)
+    assert abs(tl_label.item() - tl.item()) > 1e-3
+
+
+def test_fine_tuning_from_a_head_with_the_distribution_loss(target, data_dir, tmp_path):
+    """init_head starts from a trained head's weights: with no learning rate the result is that
+    head, and the first step's loss is below a random start's; training.json records the
+    loss and the start."""
+    base = str(tmp_path / "base")
+    _train(target, data_dir, base)
+    frozen = str(tmp_path / "frozen")
+    kw = {"epochs": 1, "token_loss": "distribution"}
+    log = _train(target, data_dir, frozen, init_head=base, lr=0.0, **kw)
+    a, b = load_head(base, target), load_head(frozen, target)
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x, y), name
+    cold = _train(target, data_dir, str(tmp_path / "cold"), lr=0.0, **kw)
+    assert log[0]["loss"] < 0.9 * cold[0]["loss"], (log[0], cold[0])
+    tuned = str(tmp_path / "tuned")
+    _train(target, data_dir, tuned, init_head=base, **kw)
+    with open(os.path.join(tuned, "training.json")) as f:
+        summary = json.load(f)
+    assert summary["token_loss"] == "distribution" and summary["init_head"] == base
+    assert any(
+        not torch.equal(x, y) for x, y in zip(a.parameters(), load_head(tuned, target).parameters())
+    )
+
+
+def test_token_loss_and_init_head_are_checked(target, target3, data_dir, data_dir3, tmp_path):
+    seqs = load_shards(data_dir)
+    with pytest.raises(InvalidRequestError, match="token_loss must be one of"):
+        train_head(target, seqs, str(tmp_path / "a"), token_loss="soft", progress=False)
+    with pytest.raises(InvalidRequestError, match="with version 2"):
+        train_head(
+            target3,
+            load_shards(data_dir3, features="aux"),
+            str(tmp_path / "b"),
+            version=3,
+            token_loss="distribution",
+            progress=False,
+        )
+    v3 = str(tmp_path / "v3")
+    EagleHead.random(target3, version=3).save(v3)
+    with pytest.raises(InvalidRequestError, match="is an EAGLE-3 head"):
+        train_head(
+            target3, load_shards(data_dir3), str(tmp_path / "c"), init_head=v3, progress=False
+        )
 
 
 def test_draft_vocabulary_is_the_most_frequent_tokens_and_drafts_only_them(

@@ -324,16 +324,32 @@ def make_batch(seqs: list, device=None):
     return tuple(t.to(device) for t in (tok_in, feat_in, feat_out, labels, mask))
 
 
-def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
+TOKEN_LOSSES = ("label", "distribution")
+
+
+def head_loss(
+    head,
+    batch,
+    vocab,
+    noise: float,
+    generator=None,
+    steps: int = 1,
+    token_loss: str = "label",
+):
     """The loss of one batch, averaged over `steps` training-time-test passes -> (loss,
     feature loss, token loss, [top-1 accuracy of each pass = draft depth]).
 
     EAGLE-1/2: smooth-L1 feature regression + TOKEN_WEIGHT x cross-entropy through the
-    target's lm_head rows `vocab`. EAGLE-3: cross-entropy over the head's own draft
-    vocabulary only (no feature regression; feature loss 0). vocab: sorted long [Vs] target
-    ids the cross-entropy ranges over (for EAGLE-3 the draft vocabulary, draft id i = vocab[i]);
-    labels outside it, which the head can never propose, are left out of the loss (and count
-    as misses in the accuracy)."""
+    target's lm_head rows `vocab`, against the generated token (token_loss "label") or
+    against the target's own next-token distribution over `vocab`, softmax(feature t + 1 @
+    lm_head rows) (token_loss "distribution": EAGLE's soft labels; they carry the target's
+    uncertainty, by which sampling at temperature > 0 accepts drafts). EAGLE-3: cross-entropy
+    over the head's own draft vocabulary only (no feature regression; feature loss 0).
+
+    vocab: sorted long [Vs] target ids the cross-entropy ranges over (for EAGLE-3 the draft
+    vocabulary, draft id i = vocab[i]); labels outside it, which the head can never propose,
+    are left out of the label loss (and count as misses in the accuracy); the distribution
+    loss keeps every position, against the target's distribution renormalised over vocab."""
     tok_in, feat_in, feat_out, labels, mask = batch
     if noise:
         rms = feat_in.pow(2).mean(-1, keepdim=True).sqrt()
@@ -350,9 +366,19 @@ def head_loss(head, batch, vocab, noise: float, generator=None, steps: int = 1):
         if v3:
             logits = head.draft_logits(pred[m][known])
         else:
-            logits = pred[m][known] @ w.T
             fl = fl + F.smooth_l1_loss(pred[m], feat_out[m], reduction="none").mean(-1).mean()
-        tl = tl + F.cross_entropy(logits, index[known], reduction="sum") / max(1, int(known.sum()))
+        if token_loss == "distribution":  # every scored position: the target's p is known
+            with torch.no_grad():
+                target_p = torch.softmax(feat_out[m] @ w.T, dim=-1)
+            all_logits = pred[m] @ w.T
+            ce = -(target_p * F.log_softmax(all_logits, dim=-1)).sum()
+            tl = tl + ce / max(1, int(m.sum()))
+            logits = all_logits[known]
+        else:
+            if not v3:
+                logits = pred[m][known] @ w.T
+            ce = F.cross_entropy(logits, index[known], reduction="sum")
+            tl = tl + ce / max(1, int(known.sum()))
         accs.append(
             (logits.argmax(-1) == index[known]).float().sum().item() / max(1, m.sum().item())
         )
@@ -380,6 +406,8 @@ def train_head(
     ttt_steps: int = 1,
     version: int = 2,
     feature_layers: tuple | None = None,
+    token_loss: str = "label",
+    init_head: str | None = None,
 ):
     """Trains a fresh EAGLE-2 or EAGLE-3 head on self-distillation sequences and saves it to
     `output` (resuming from output/checkpoint.pt if present); ttt_steps > 1 adds
@@ -391,13 +419,25 @@ def train_head(
     version 3. An EAGLE-3 head gets its own lm_head over the draft vocabulary (the
     draft_vocab most frequent generated tokens; 0: every token id in the sequences).
     Returns the per-step log [{"step", "loss", "feature_loss", "token_loss", "acc",
-    "acc_by_depth"}] of this call (plus {"epoch", "val"} records)."""
-    from ..eagle import EagleHead, check_head_matches
+    "acc_by_depth"}] of this call (plus {"epoch", "val"} records).
+
+    token_loss: "label" (cross-entropy against the generated token) or "distribution"
+    (against the target's next-token distribution; EAGLE-2 only, see head_loss).
+    init_head: a head directory (of the same version) to start from instead of random
+    weights: a fine-tuning run, e.g. with the distribution loss after label training."""
+    from ..eagle import EagleHead, check_head_matches, load_head
 
     if version not in (2, 3):
         raise InvalidRequestError(f"version must be 2 or 3, got {version}")
     if ttt_steps < 1:
         raise InvalidRequestError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    if token_loss not in TOKEN_LOSSES:
+        raise InvalidRequestError(f"token_loss must be one of {TOKEN_LOSSES}, got {token_loss!r}")
+    if token_loss == "distribution" and version == 3:
+        raise InvalidRequestError(
+            "token_loss 'distribution' needs the target's final-norm features, which an EAGLE-3 "
+            "batch does not carry (it reads layer outputs): use it with version 2"
+        )
     seqs = [s for s in seqs if len(s[0]) - 2 > max(s[2] - 2, 0)]  # something to predict
     if not seqs:
         raise InvalidRequestError("no training sequence with generated tokens")
@@ -427,6 +467,24 @@ def train_head(
         head.d2t.copy_(vocab - torch.arange(len(vocab)))
     else:
         head = EagleHead.random(target, version=2, seed=seed)
+    if init_head is not None:
+        start = load_head(init_head, target)
+        if start.version != head.version:
+            raise InvalidRequestError(
+                f"init_head {init_head} is an EAGLE-{start.version} head, training EAGLE-{version}"
+            )
+        if version == 3 and not torch.equal(start.d2t.cpu(), head.d2t.cpu()):
+            raise InvalidRequestError(
+                f"init_head {init_head} drafts over another vocabulary than this data's"
+            )
+        # the trained weights only: the draft vocabulary is this run's (an EAGLE-2 head
+        # drafts through the target's lm_head rows, whatever its d2t was)
+        mine, theirs = dict(head.named_parameters()), dict(start.named_parameters())
+        if {k: v.shape for k, v in mine.items()} != {k: v.shape for k, v in theirs.items()}:
+            raise InvalidRequestError(f"init_head {init_head} does not match this head's shapes")
+        with torch.no_grad():
+            for name, param in mine.items():
+                param.copy_(theirs[name])
     head = head.float()
     device = target.tok_embeddings.weight.device  # the target's: a GPU trains much faster
     vocab = vocab.to(device)
@@ -452,7 +510,7 @@ def train_head(
             [seqs[j] for j in order[i * batch_size : (i + 1) * batch_size].tolist()], device
         )
         noise_gen = torch.Generator(device).manual_seed(seed * 7919 + step)
-        loss, fl, tl, accs = head_loss(head, batch, vocab, noise, noise_gen, ttt_steps)
+        loss, fl, tl, accs = head_loss(head, batch, vocab, noise, noise_gen, ttt_steps, token_loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -503,6 +561,8 @@ def train_head(
             "lr": lr,
             "noise": noise,
             "ttt_steps": ttt_steps,
+            "token_loss": token_loss,
+            "init_head": init_head,
             "eagle_version": version,
             "feature_layers": list(head.feature_layers),
             "sequences": len(seqs),
@@ -621,6 +681,19 @@ def add_arguments(p):
         type=float,
         help="uniform feature noise width, relative to the feature RMS (default 0.2 for "
         "EAGLE-2, 0 for EAGLE-3, whose training-time test takes its place)",
+    )
+    p.add_argument(
+        "--token-loss",
+        choices=TOKEN_LOSSES,
+        default="label",
+        help="EAGLE-2 token loss: cross-entropy against the generated token (label, default) or "
+        "against the target's next-token distribution (distribution: EAGLE's soft labels)",
+    )
+    p.add_argument(
+        "--init-head",
+        metavar="DIR",
+        help="start from this head's weights (same EAGLE version) instead of random ones: "
+        "fine-tuning, e.g. --token-loss distribution after label training",
     )
     p.add_argument(
         "--full-vocab-ce",
@@ -745,5 +818,7 @@ def run(args) -> int:
             ttt_steps=args.ttt_steps,
             version=args.eagle_version,
             feature_layers=feature_layers,
+            token_loss=args.token_loss,
+            init_head=args.init_head,
         )
     return 0
