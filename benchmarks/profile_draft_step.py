@@ -29,6 +29,7 @@ import time
 import torch
 
 import specdec_kernels.ops as ops
+from specdec import decode_path
 from specdec.eagle import EagleHead, load_head
 from specdec.heads import shipped_head_path
 from specdec.loader import load_model
@@ -109,15 +110,31 @@ def main():
     ap.add_argument("--nodes", default="8,16,32,48")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument(
+        "--decode-path",
+        choices=("on", "off", "both"),
+        default="both",
+        help="the heads with specdec.decode_path configured (prepacked linears and layer ops, as "
+        "the engine's drafter runs them), without, or both",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     model, _ = load_model(dtype=dtype)
-    heads = {
-        "eagle2_shipped": load_head(shipped_head_path(), model),
-        "eagle3_random": EagleHead.random(model, version=3, seed=0, draft_vocab_size=8192),
-    }
+    def make_heads():
+        return {
+            "eagle2_shipped": load_head(shipped_head_path(), model),
+            "eagle3_random": EagleHead.random(model, version=3, seed=0, draft_vocab_size=8192),
+        }
+
+    heads = {}
+    if args.decode_path in ("off", "both"):  # the torch modules as written
+        heads.update(make_heads())
+    if args.decode_path in ("on", "both"):  # as the engine's drafter runs them
+        for name, head in make_heads().items():
+            decode_path.configure(head)
+            heads[f"{name}+decode_path"] = head
     configs = [
         (name, B, M)
         for name in heads
@@ -155,6 +172,7 @@ def main():
             "context": CONTEXT,
             "topk": TOPK,
             "reps": args.reps,
+            "decode_path": args.decode_path,
             "load_before": os.getloadavg(),
             "commit": subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from .cache import PagedKVCache
 from .config import ModelArgs
 from .errors import HeadMismatchError, ModelLoadError, SpecdecError
+from .packed_linear import PackedLinear, WeightPack, packed_product
 from .model import (
     Attention,
     AttentionMetadata,
@@ -105,6 +106,9 @@ class EagleHead(nn.Module):
             "d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long) if reduced else None
         )
         self.register_buffer("draft_lm_weight", None, persistent=False)
+        # its prepacked copy, used when the head's linears are prepacked (decode_path): the
+        # largest product of a draft level, ~1.5x faster prepacked at 1-48 rows
+        self._draft_lm_pack = WeightPack()
         self.register_buffer("inv_freq", inv_freq(args), persistent=False)
         self.scale = args.head_dim**-0.5
         check_head_matches(self, target)
@@ -232,6 +236,10 @@ class EagleHead(nn.Module):
             return self.lm_head(self.norm(hidden)).float()
         if self.draft_lm_weight is None:
             return self.target.lm_head(hidden).float()
+        if isinstance(self.fc, PackedLinear):  # the head's linears run prepacked: this too
+            packed = self._draft_lm_pack.get(self.draft_lm_weight, hidden)
+            if packed is not None:
+                return packed_product(hidden, packed).float()
         return F.linear(hidden, self.draft_lm_weight).float()
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:

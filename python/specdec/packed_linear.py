@@ -32,60 +32,75 @@ def _supported() -> bool:
     return bool(mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+class WeightPack:
+    """A oneDNN-prepacked copy of one bf16 weight [out_features, in_features], packed on first
+    use and again whenever the weight changes (new storage, or an in-place change)."""
+
+    def __init__(self) -> None:
+        self._packed: Tensor | None = None
+        self._key: tuple = ()  # (data_ptr, version) of the weight it was packed from
+
+    def get(self, weight: Tensor, x: Tensor) -> Tensor | None:
+        """The packed copy of weight when a product with x should take it (bf16 on CPU, no
+        autograd, not under torch.compile), else None."""
+        if (
+            weight.dtype != torch.bfloat16
+            or x.dtype != torch.bfloat16
+            or weight.device.type != "cpu"
+            or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        # a new tensor (load_state_dict's copy_ bumps the version; a new dtype, device or
+        # shape is new storage) or an in-place change: repack
+        key = (weight.data_ptr(), weight._version)
+        if self._packed is None or key != self._key:
+            # batch-size hint 1: measured as good as the exact M for M = 1..512 (RESULTS.md)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            self._key = key
+        return self._packed
+
+
+def packed_product(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x: [..., in_features] @ a WeightPack's packed weight (+ bias) -> [..., out_features]."""
+    bias = None if bias is None else bias.detach()
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class PackedLinear(nn.Linear):
     """nn.Linear whose inference forward reads a oneDNN-prepacked copy of its bf16 weight.
 
     Gradients (a weight that requires grad under grad mode), torch.compile tracing and any
     other dtype or device take F.linear, so the module stays a drop-in nn.Linear."""
 
-    _packed: Tensor | None
-    _packed_key: tuple  # (data_ptr, version) of the weight it was packed from
+    _pack: WeightPack
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> "PackedLinear":
         """linear, switched to this class in place (its parameters untouched)."""
         linear.__class__ = cls
         assert isinstance(linear, PackedLinear)
-        linear._packed, linear._packed_key = None, ()
+        linear._pack = WeightPack()
         return linear
 
     def unpack(self) -> nn.Linear:
         """Back to a plain nn.Linear, in place."""
-        del self._packed, self._packed_key
+        del self._pack
         self.__class__ = nn.Linear  # type: ignore[assignment]
         return self
 
     def packed_weight(self, x: Tensor) -> Tensor | None:
         """The prepacked weight (packed now if the weight changed) when forward(x) takes the
         packed path, else None."""
-        w = self.weight
-        if (
-            w.dtype != torch.bfloat16
-            or x.dtype != torch.bfloat16
-            or w.device.type != "cpu"
-            or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
-            or torch.compiler.is_compiling()
-        ):
-            return None
-        # a new tensor (load_state_dict's copy_ bumps the version; a new dtype, device or
-        # shape is new storage) or an in-place change: repack
-        key = (w.data_ptr(), w._version)
-        if self._packed is None or key != self._packed_key:
-            # batch-size hint 1: measured as good as the exact M for M = 1..512 (RESULTS.md)
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
-            self._packed_key = key
-        return self._packed
+        return self._pack.get(self.weight, x)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., in_features] -> [..., out_features]."""
         packed = self.packed_weight(x)
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, x.shape[-1]), packed, bias, "none", [], ""
-        )
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return packed_product(x, packed, self.bias)
 
 
 _PLAIN = (nn.Linear, PackedLinear)

@@ -37,7 +37,7 @@ def test_same_as_f_linear(bias, rows):
     packed = PackedLinear.convert(copy.deepcopy(lin))
     with torch.no_grad():
         got = packed(x)
-    assert packed._packed is not None  # the packed path ran
+    assert packed._pack._packed is not None  # the packed path ran
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     if rows <= 32:  # the same oneDNN kernels as F.linear: bitwise
         assert torch.equal(got, want)
@@ -69,11 +69,11 @@ def test_training_and_other_dtypes_take_f_linear():
     x = torch.randn(3, 32).to(torch.bfloat16)
     y = lin(x)  # grad mode, weight requires grad: autograd as nn.Linear
     y.float().sum().backward()
-    assert lin.weight.grad is not None and lin._packed is None
+    assert lin.weight.grad is not None and lin._pack._packed is None
     lin32 = PackedLinear.convert(nn.Linear(32, 16))
     with torch.no_grad():
         out = lin32(torch.randn(3, 32))
-    assert out.dtype == torch.float32 and lin32._packed is None
+    assert out.dtype == torch.float32 and lin32._pack._packed is None
 
 
 def test_configure_switch_and_state_dict(monkeypatch):
@@ -124,3 +124,25 @@ def test_subclasses_with_their_own_forward_are_left_alone():
     packed_linear.configure(model, True)
     assert type(block.feed_forward.w2) is RowParallelLinear
     assert type(block.attention.wo) is (PackedLinear if SUPPORTED else nn.Linear)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_eagle_draft_lm_head_runs_prepacked(rows):
+    """An EAGLE-2 head with a draft vocabulary drafts through its own copy of the lm_head
+    rows: prepacked once the head's linears are (decode_path), bitwise F.linear's logits."""
+    from specdec import decode_path
+    from specdec.eagle import EagleHead
+
+    target = tiny_model().to(torch.bfloat16)
+    head = EagleHead.random(target, seed=1).set_draft_vocab(torch.arange(0, 32, 3))
+    hidden = torch.randn(2, rows, target.args.dim).to(torch.bfloat16)
+    with torch.no_grad():
+        plain = head.draft_logits(hidden)
+        assert head._draft_lm_pack._packed is None  # plain linears: F.linear
+        decode_path.configure(head)
+        assert isinstance(head.fc, PackedLinear)
+        packed = head.draft_logits(hidden)
+    assert head._draft_lm_pack._packed is not None
+    want = F.linear(hidden, head.draft_lm_weight).float()
+    assert torch.equal(plain, want) and torch.equal(packed, want)
