@@ -122,6 +122,7 @@ def main():
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     model, _ = load_model(dtype=dtype)
+
     def make_heads():
         return {
             "eagle2_shipped": load_head(shipped_head_path(), model),

@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from .cache import PagedKVCache
 from .config import ModelArgs
 from .errors import HeadMismatchError, ModelLoadError, SpecdecError
-from .packed_linear import PackedLinear, WeightPack, packed_product
 from .model import (
     Attention,
     AttentionMetadata,
@@ -42,6 +41,7 @@ from .model import (
     inv_freq,
     rope_cos_sin,
 )
+from .packed_linear import PackedLinear, WeightPack, packed_product
 
 # official EAGLE key of each fused / renamed parameter of our layer (a submodule of self.layer)
 _LAYER_KEYS = {
