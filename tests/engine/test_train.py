@@ -339,24 +339,42 @@ def test_draft_vocabulary_is_the_most_frequent_tokens_and_drafts_only_them(
     torch.testing.assert_close(full[:, want], target.lm_head(hidden)[:, want])
 
 
-def test_shipped_head_drafts_for_the_default_model():
-    """The packaged head loads for the default model, stays small, and predicts the
-    model's own greedy continuation far better than chance (a random head scores ~0)."""
-    from specdec.heads import shipped_head_path
+@pytest.mark.parametrize(
+    "name, version", [("smollm2-135m-instruct", 2), ("smollm2-135m-instruct-eagle3", 3)]
+)
+def test_shipped_heads_draft_for_the_default_model(name, version):
+    """The packaged heads (the default EAGLE-2 one and the EAGLE-3 one) load for the default
+    model, by name too, stay small, and predict the model's own greedy continuation far better
+    than chance (a random head scores ~0)."""
+    from specdec.heads import DEFAULT_HEAD, resolve_head, shipped_head_path, shipped_heads
     from specdec.loader import load_model
 
-    path = shipped_head_path()
+    assert name in shipped_heads() and shipped_head_path() == resolve_head(DEFAULT_HEAD)
+    path = resolve_head(name)
+    assert os.path.isdir(path) and os.path.isfile(os.path.join(path, "CARD.md"))
     assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 25 * 2**20
     model, tok = load_model()
     head = load_head(path, model)
+    assert head.version == version
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
     )
-    ((tokens, hidden, _),) = generate_batch(model, [ids], 24, tok.eos_token_ids)
-    tok_in, feat_in, _, labels, mask = make_batch([(tokens, hidden, len(ids))])
+    ((tokens, hidden, aux),) = generate_batch(
+        model, [ids], 24, tok.eos_token_ids, feature_layers=head.feature_layers
+    )
+    features = aux if version == 3 else hidden
+    tok_in, feat_in, _, labels, mask = make_batch([(tokens, features, len(ids))])
     with torch.no_grad():
         pred = head.logits(head_train_forward(head, tok_in, feat_in)[0]).argmax(-1)
     assert (pred[mask] == labels[mask]).float().mean() > 0.2
+
+
+def test_resolve_head_names_and_paths(tmp_path):
+    from specdec.heads import resolve_head
+
+    assert resolve_head(str(tmp_path)) == str(tmp_path)  # a directory is itself
+    assert resolve_head("no-such-head") == "no-such-head"  # left for load_head to report
+    assert resolve_head("a/b") == "a/b"  # a path is never taken for a name
 
 
 def test_prompt_datasets():

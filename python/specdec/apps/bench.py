@@ -358,7 +358,10 @@ def add_arguments(p):
     )
     add_model_placement_arguments(p)
     p.add_argument(
-        "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
+        "--head",
+        metavar="PATH",
+        help="EAGLE head directory, or the name of a shipped one (specdec.heads; e.g. "
+        "smollm2-135m-instruct-eagle3); default: the model's shipped head",
     )
     p.add_argument(
         "--quick",
@@ -710,7 +713,7 @@ def _run_drafters(args) -> int:
 
 def _load_head(args, model):
     from ..eagle import load_head
-    from ..heads import shipped_head_path
+    from ..heads import resolve_head, shipped_head_path
 
-    path = args.head or shipped_head_path(args.model)
+    path = resolve_head(args.head) if args.head else shipped_head_path(args.model)
     return load_head(path, model) if path else None

@@ -29,7 +29,10 @@ def add_drafter_arguments(p, default_method: str = "eagle"):
         "tokens), eagle+ngram (one tree merging both) (default %(default)s)",
     )
     p.add_argument(
-        "--head", metavar="PATH", help="EAGLE head directory (default: the model's shipped head)"
+        "--head",
+        metavar="PATH",
+        help="EAGLE head directory, or the name of a shipped one (specdec.heads; e.g. "
+        "smollm2-135m-instruct-eagle3); default: the model's shipped head",
     )
     p.add_argument(
         "--medusa",
@@ -163,10 +166,10 @@ class DrafterChoice:
         return self.name
 
     def medusa_heads(self, model, model_path):
-        from ..heads import shipped_medusa_path
+        from ..heads import resolve_head, shipped_medusa_path
         from ..medusa import MedusaHeads, load_medusa
 
-        path = self.medusa or shipped_medusa_path(model_path)
+        path = resolve_head(self.medusa) if self.medusa else shipped_medusa_path(model_path)
         if path:
             return load_medusa(path, model)
         print(
@@ -178,9 +181,9 @@ class DrafterChoice:
 
     def eagle_head(self, model, model_path):
         from ..eagle import EagleHead, load_head
-        from ..heads import shipped_head_path
+        from ..heads import resolve_head, shipped_head_path
 
-        path = self.head or shipped_head_path(model_path)
+        path = resolve_head(self.head) if self.head else shipped_head_path(model_path)
         if path:
             return load_head(path, model)
         # Models without a shipped head: a seeded random head keeps the speculative path

@@ -4,6 +4,7 @@ import os
 
 DEFAULT_HEAD = "smollm2-135m-instruct"  # trained for the default model (see its CARD.md)
 DEFAULT_MEDUSA = "smollm2-135m-instruct-medusa"  # Medusa heads for it (see its CARD.md)
+EAGLE3_HEAD = "smollm2-135m-instruct-eagle3"  # its EAGLE-3 head (see its CARD.md)
 
 
 def shipped_head_path(model_path: str | None = None) -> str | None:
@@ -21,3 +22,21 @@ def shipped_medusa_path(model_path: str | None = None) -> str | None:
         return None
     path = os.path.join(os.path.dirname(__file__), DEFAULT_MEDUSA)
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def shipped_heads() -> list[str]:
+    """The names of the shipped head directories (each has a config.json and a CARD.md)."""
+    here = os.path.dirname(__file__)
+    return sorted(
+        name for name in os.listdir(here) if os.path.isfile(os.path.join(here, name, "config.json"))
+    )
+
+
+def resolve_head(path: str) -> str:
+    """A --head value: an existing directory is itself; otherwise the name of a shipped head
+    (`specdec generate --head smollm2-135m-instruct-eagle3`) is its directory; anything else
+    is returned as given (loading it then names what is missing)."""
+    if os.path.isdir(path) or os.sep in path:
+        return path
+    shipped = os.path.join(os.path.dirname(__file__), path)
+    return shipped if os.path.isfile(os.path.join(shipped, "config.json")) else path
