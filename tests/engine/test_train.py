@@ -22,6 +22,7 @@ from specdec.apps.train import (
 from specdec.config import ModelArgs
 from specdec.eagle import EagleHead, eagle3_feature_layers, load_head
 from specdec.errors import InvalidRequestError
+from specdec.heads import DEFAULT_HEAD, EAGLE3_HEAD
 from specdec.model import Transformer
 
 EOS = 0
@@ -339,14 +340,12 @@ def test_draft_vocabulary_is_the_most_frequent_tokens_and_drafts_only_them(
     torch.testing.assert_close(full[:, want], target.lm_head(hidden)[:, want])
 
 
-@pytest.mark.parametrize(
-    "name, version", [("smollm2-135m-instruct", 2), ("smollm2-135m-instruct-eagle3", 3)]
-)
+@pytest.mark.parametrize("name, version", [(DEFAULT_HEAD, 2), (EAGLE3_HEAD, 3)])
 def test_shipped_heads_draft_for_the_default_model(name, version):
     """The packaged heads (the default EAGLE-2 one and the EAGLE-3 one) load for the default
     model, by name too, stay small, and predict the model's own greedy continuation far better
     than chance (a random head scores ~0)."""
-    from specdec.heads import DEFAULT_HEAD, resolve_head, shipped_head_path, shipped_heads
+    from specdec.heads import resolve_head, shipped_head_path, shipped_heads
     from specdec.loader import load_model
 
     assert name in shipped_heads() and shipped_head_path() == resolve_head(DEFAULT_HEAD)

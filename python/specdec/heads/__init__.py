@@ -6,30 +6,29 @@ DEFAULT_HEAD = "smollm2-135m-instruct"  # trained for the default model (see its
 DEFAULT_MEDUSA = "smollm2-135m-instruct-medusa"  # Medusa heads for it (see its CARD.md)
 EAGLE3_HEAD = "smollm2-135m-instruct-eagle3"  # its EAGLE-3 head (see its CARD.md)
 
+_HERE = os.path.dirname(__file__)
+
+
+def _shipped(name: str) -> str | None:
+    """The directory of shipped head `name`, or None when there is no such head."""
+    path = os.path.join(_HERE, name)
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
 
 def shipped_head_path(model_path: str | None = None) -> str | None:
     """The shipped head directory for a target: the default model (model_path None) has
     one; other models have none (None)."""
-    if model_path is not None:
-        return None
-    path = os.path.join(os.path.dirname(__file__), DEFAULT_HEAD)
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    return None if model_path is not None else _shipped(DEFAULT_HEAD)
 
 
 def shipped_medusa_path(model_path: str | None = None) -> str | None:
     """The shipped Medusa heads directory for a target (as shipped_head_path)."""
-    if model_path is not None:
-        return None
-    path = os.path.join(os.path.dirname(__file__), DEFAULT_MEDUSA)
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+    return None if model_path is not None else _shipped(DEFAULT_MEDUSA)
 
 
 def shipped_heads() -> list[str]:
     """The names of the shipped head directories (each has a config.json and a CARD.md)."""
-    here = os.path.dirname(__file__)
-    return sorted(
-        name for name in os.listdir(here) if os.path.isfile(os.path.join(here, name, "config.json"))
-    )
+    return sorted(name for name in os.listdir(_HERE) if _shipped(name))
 
 
 def resolve_head(path: str) -> str:
@@ -38,5 +37,4 @@ def resolve_head(path: str) -> str:
     is returned as given (loading it then names what is missing)."""
     if os.path.isdir(path) or os.sep in path:
         return path
-    shipped = os.path.join(os.path.dirname(__file__), path)
-    return shipped if os.path.isfile(os.path.join(shipped, "config.json")) else path
+    return _shipped(path) or path
