@@ -215,19 +215,38 @@ class EagleHead(nn.Module):
         node i sits at logical position cache_lens[b] + i (cache_lens: int32 [B]; earlier nodes
         are already cached); num_nodes: int32 [B] (rows at or past it are padding: not written,
         attention output zero); positions: int [B, M], the RoPE positions.
-        Returns hidden: [B, M, dim] (the predicted feature of the next position).
-        """
+        Returns hidden: [B, M, dim] (the predicted feature of the next position; zeros at
+        padding when the rows are packed, unspecified otherwise).
+
+        Whole trees of different sizes (start 0, M = T, some num_nodes < M: the engine's
+        catch-up over prompts and accepted paths of different lengths) are packed as
+        Transformer.forward packs them: the per-token work runs on the real rows only (64
+        MT-bench prompts pad 7 045 tokens to 25 728)."""
+        B, M = tokens.shape
+        meta = AttentionMetadata.verify(cache, slots, cache_lens, num_nodes, tree_mask, start, M)
+        picked = meta.picked
+        packed = (
+            start == 0 and M == tree_mask.shape[1] and picked is not None and picked.numel() < B * M
+        )
+        if packed:
+            assert picked is not None
+            meta.packed = True
+            tokens = tokens.flatten()[picked][None]  # [1, N]
+            features = features.flatten(0, 1)[picked][None]  # [1, N, F]
+            positions = positions.flatten()[picked][None]
         emb = self.target.tok_embeddings(tokens)
         cos, sin = self._rope(positions)
-        meta = AttentionMetadata.verify(
-            cache, slots, cache_lens, num_nodes, tree_mask, start, tokens.shape[1]
-        )
         if self.version < 3:
             x = self.fc(torch.cat((emb, features), dim=-1))
-            return self.layer(x, cos, sin, meta)  # attention_norm is the identity
-        x = self.fc(features) if features.shape[-1] != self.args.dim else features
-        attn_in = torch.cat((self.layer.attention_norm(emb), self.hidden_norm(x)), dim=-1)
-        return self.layer(x, cos, sin, meta, attn_in=attn_in)
+            out = self.layer(x, cos, sin, meta)  # attention_norm is the identity
+        else:
+            x = self.fc(features) if features.shape[-1] != self.args.dim else features
+            attn_in = torch.cat((self.layer.attention_norm(emb), self.hidden_norm(x)), dim=-1)
+            out = self.layer(x, cos, sin, meta, attn_in=attn_in)
+        if not packed:
+            return out
+        assert picked is not None
+        return out.new_zeros(B * M, out.shape[-1]).index_copy_(0, picked, out[0]).view(B, M, -1)
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [..., dim] -> float32 logits [..., Vd] over the draft vocabulary (what

@@ -191,6 +191,36 @@ def test_official_eagle3_checkpoint_reduced_vocab(target, tmp_path, fmt):
 
 
 @pytest.mark.parametrize("version", [2, 3])
+def test_ragged_batch_is_packed_and_matches_the_reference(target, tmp_path, version):
+    """The engine's catch-up: causal sequences of different lengths in one padded [B, M]
+    call (packed: the per-token work on the real rows only). Each request's rows match the
+    float64 layer over its own sequence; padding rows are zeros and write no cache row."""
+    sd, cfg = official_checkpoint(version)
+    head = load_head(write_checkpoint(tmp_path / "h", sd, cfg, "safetensors"), target)
+    counts = [11, 3, 1, 7]
+    B, M = len(counts), max(counts)
+    tokens = torch.randint(0, VOCAB, (B, M))
+    features = torch.randn(B, M, (3 if version == 3 else 1) * DIM)
+    cache = head.new_cache(B, 64)
+    poison = float("nan")
+    cache.k.fill_(poison), cache.v.fill_(poison)
+    num_nodes = torch.tensor(counts, dtype=torch.int32)
+    parents = torch.arange(-1, M - 1, dtype=torch.int32).expand(B, M).contiguous()
+    mask, depth = ops.build_tree_mask(parents, num_nodes)
+    lens = torch.zeros(B, dtype=torch.int32)
+    slots = torch.arange(B)
+    with torch.no_grad():
+        h = head(tokens, features, cache, slots, lens, 0, num_nodes, mask, depth)
+    for b, n in enumerate(counts):
+        ref_h, _ = reference_head(sd, version, target, tokens[b, :n], features[b, :n])
+        torch.testing.assert_close(h[b, :n].double(), ref_h, atol=1e-4, rtol=1e-4)
+        assert (h[b, n:] == 0).all()
+        rows, _ = cache.rows(slots[b : b + 1], torch.arange(64)[None])
+        written = ~cache.k[0].reshape(-1, KV_HEADS, HEAD_DIM)[rows[:64]].isnan().all(-1).all(-1)
+        assert written.tolist() == [i < n for i in range(64)]
+
+
+@pytest.mark.parametrize("version", [2, 3])
 def test_own_format_roundtrip(target, tmp_path, version):
     head = EagleHead.random(
         target, version=version, seed=7, draft_vocab_size=30 if version == 3 else None
