@@ -31,7 +31,7 @@ import torch
 
 import specdec_kernels.ops as ops
 
-from . import compiled_step, decode_path
+from . import adaptive, compiled_step, decode_path
 from .adaptive import CostModel, Policy
 from .device_memory import free_memory
 from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
@@ -591,15 +591,19 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft / verify / accept round. Returns (output_tokens int32 [B, T] -1 padded,
         num_accepted int32 [B])."""
+        start = time.perf_counter()
         slots = self._slots(seqs)
         roots = torch.tensor([s.tokens[-1] for s in seqs], device=self.device)
         room = self.capacity - self.cache.cache_lens[slots]
         sampling = self._sampling(seqs)
+        speculative = True
         with timed(self.device, "draft", all_stats):
             if self.policy is not None:
                 self.policy.batch = len(seqs)  # live occupancy: the costs of this step's batch
                 self.policy.slots = [s.slot for s in seqs]  # whose rows (per-request sizes)
-            if self.policy is not None and not self.policy.speculate():
+                self.policy.levels = 0
+                speculative = self.policy.speculate()
+            if not speculative:
                 d = root_only(roots)
             else:
                 d = self.drafter.propose(slots, roots, sampling, self.policy)
@@ -658,9 +662,17 @@ class Engine:
                 ),
             )
         tree_depth = depth.max(dim=1).values.tolist()
-        for s, a, n, dep in zip(seqs, num_accepted.tolist(), d.num_nodes.tolist(), tree_depth):
+        num_nodes = d.num_nodes.tolist()
+        for s, a, n, dep in zip(seqs, num_accepted.tolist(), num_nodes, tree_depth):
             if s.error is None:
                 s.stats.record_step(a, n, dep)
+        if self.policy is not None:  # what the step cost against what the policy predicted
+            per_request = self.policy.per_request  # the forward computes the real nodes only
+            nodes = sum(num_nodes) / len(num_nodes) if per_request else d.tokens.shape[1]
+            seconds = time.perf_counter() - start
+            if adaptive.agree_time is not None:  # tensor parallel: every rank decides alike
+                seconds = adaptive.agree_time(seconds, self.device)
+            self.policy.observe_time(seconds, speculative, self.policy.levels, nodes)
         return output_tokens, num_accepted
 
     # ------------------------------------------------------------------ helpers

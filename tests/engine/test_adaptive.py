@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from specdec.adaptive import MAX_PROBE, CostModel, Policy
+from specdec.adaptive import CALIBRATION_PRIOR, DECAY, MAX_PROBE, CostModel, Policy
 from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
 
@@ -383,6 +383,69 @@ def test_policy_loses_little_when_speculation_does_not_pay(accepted_every):
     accepts = lambda i: accepted_every and i % accepted_every == accepted_every - 1  # noqa: E731
     _, _, speedup = simulate(p, lambda i: 0.5, accepts, 400)
     assert speedup > 0.97
+
+
+def _half_accepted_chain(p: Policy, steps: int) -> None:
+    """`steps` speculative steps of 2-node chains whose draft is accepted every other step."""
+    d = type(
+        "D",
+        (),
+        dict(
+            tokens=torch.tensor([[5, 6]]),
+            parents=torch.tensor([[-1, 0]], dtype=torch.int32),
+            num_nodes=torch.tensor([2], dtype=torch.int32),
+            confidence=torch.tensor([[1.0, 0.5]]),
+        ),
+    )()
+    for i in range(steps):
+        p.size(torch.tensor([[0.5]]), 1)
+        ok = i % 2 == 0
+        p.observe(
+            d, torch.tensor([[0, 1]]), torch.tensor([[0, 1 if ok else -1]]), torch.tensor([int(ok)])
+        )
+
+
+def test_policy_prices_rule_one_by_measured_step_times():
+    """1.5 tokens per 1.06 s by the cost model: speculation pays 1.4x. Measured, a speculative
+    step takes twice its prediction (what start-up timing misses: sampling, bookkeeping,
+    ragged trees): it loses, and the steps go plain. Plain steps measured as slow as
+    speculative ones restore it; one stalled step moves the factor by a bounded amount."""
+    p = Policy(CHEAP_VERIFY, SPEC)
+    _half_accepted_chain(p, 40)
+    assert p.calibration(True) == 1.0 and p.speculate()
+    predicted = p.predicted_step_s(1, 2)
+    assert predicted == pytest.approx(CHEAP_VERIFY.draft(1) + CHEAP_VERIFY.verify(2))
+    for _ in range(60):
+        p.observe_time(2.0 * predicted, True, 1, 2)
+    assert p.calibration(True) == pytest.approx(2.0, rel=0.05)
+    assert p.spec_rate() < p.plain_rate()
+    assert sum(p.speculate() for _ in range(40)) <= 40 // 4 + 1  # the probes only
+    for _ in range(60):
+        p.observe_time(2.0 * CHEAP_VERIFY.verify(1), False, 0, 1)
+    assert p.spec_rate_bound() > p.spec_rate() > p.plain_rate() and p.speculate()
+    # clipped: a step 1000x its prediction counts as 2x
+    q = Policy(CHEAP_VERIFY, SPEC)
+    q.observe_time(1000.0 * predicted, True, 1, 2)
+    prior = DECAY * CALIBRATION_PRIOR
+    assert q.calibration(True) == pytest.approx((prior + 2.0) / (prior + 1.0))
+
+
+def test_engine_reports_every_step_time(monkeypatch):
+    """The engine times each verify step, whole, and tells the policy its kind and shape."""
+    calls = []
+    real = Policy.observe_time
+
+    def record(self, seconds, speculative, levels, nodes):
+        calls.append((seconds, speculative, levels, nodes))
+        real(self, seconds, speculative, levels, nodes)
+
+    monkeypatch.setattr(Policy, "observe_time", record)
+    model = tiny_model()
+    _, stats = run(model, oracle_head(model), "adaptive:4,3,10", 1, cost_model=CHEAP_VERIFY)
+    assert len(calls) == stats.target_forwards  # batch 1: a forward per step (prefills apart)
+    assert all(s > 0 and n >= 1 for s, _, _, n in calls)
+    assert all((lv >= 1) == spec for _, spec, lv, _ in calls)
+    assert any(spec and n > 1 for _, spec, _, n in calls)
 
 
 def test_measured_costs_are_made_non_decreasing():
