@@ -183,6 +183,9 @@ class Engine:
     "dynamic:5,8,32", "adaptive"); batch_size: requests decoded together; max_seq_len: cache
     positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
     measured here, which takes a few forwards; pass one to make the choices reproducible);
+    calibrate: adaptive mode scales the costs by each step's measured time (Policy.observe_time;
+    default: when the cost model is measured here, so that a passed one keeps the choices
+    independent of timing; True to calibrate a reused cost model);
     sampler: tree_rejection_sample's stand-in, same arguments and outputs (default: the op;
     tensor parallelism passes tp.BroadcastSampler: rank 0 samples, every rank gets its result).
 
@@ -202,6 +205,7 @@ class Engine:
         cost_model: CostModel | None = None,
         drafter: Drafter | None = None,
         sampler: Callable | None = None,
+        calibrate: bool | None = None,
     ):
         if drafter is None:
             from .drafters.eagle import EagleDrafter
@@ -265,6 +269,7 @@ class Engine:
             self.policy = Policy(
                 cost_model or drafter.measure_cost(model, self.tree, batch_size), self.tree
             )
+        self.calibrate = cost_model is None if calibrate is None else bool(calibrate)
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)
@@ -666,7 +671,7 @@ class Engine:
         for s, a, n, dep in zip(seqs, num_accepted.tolist(), num_nodes, tree_depth):
             if s.error is None:
                 s.stats.record_step(a, n, dep)
-        if self.policy is not None:  # what the step cost against what the policy predicted
+        if self.policy is not None and self.calibrate:  # the step's cost against the prediction
             per_request = self.policy.per_request  # the forward computes the real nodes only
             nodes = sum(num_nodes) / len(num_nodes) if per_request else d.tokens.shape[1]
             seconds = time.perf_counter() - start

@@ -431,7 +431,8 @@ def test_policy_prices_rule_one_by_measured_step_times():
 
 
 def test_engine_reports_every_step_time(monkeypatch):
-    """The engine times each verify step, whole, and tells the policy its kind and shape."""
+    """The engine times each verify step, whole, and tells the policy its kind and shape
+    (by default when it measured the cost model itself)."""
     calls = []
     real = Policy.observe_time
 
@@ -441,7 +442,12 @@ def test_engine_reports_every_step_time(monkeypatch):
 
     monkeypatch.setattr(Policy, "observe_time", record)
     model = tiny_model()
-    _, stats = run(model, oracle_head(model), "adaptive:4,3,10", 1, cost_model=CHEAP_VERIFY)
+    # a cost model passed in: its choices stay reproducible, nothing is measured
+    run(model, oracle_head(model), "adaptive:4,3,10", 1, cost_model=CHEAP_VERIFY)
+    assert calls == []
+    _, stats = run(
+        model, oracle_head(model), "adaptive:4,3,10", 1, cost_model=CHEAP_VERIFY, calibrate=True
+    )
     assert len(calls) == stats.target_forwards  # batch 1: a forward per step (prefills apart)
     assert all(s > 0 and n >= 1 for s, _, _, n in calls)
     assert all((lv >= 1) == spec for _, spec, lv, _ in calls)
