@@ -2,8 +2,9 @@
 bf16) with the eager torch ops and F.linear, with prepacked linears (specdec.packed_linear),
 with prepacked linears plus the C++ layer ops (specdec.layer_ops), with each block as one
 C++ call (torch.ops.specdec.decode_layer), and with --compile the
-compiled step (specdec.compiled_step: torch.compile with inductor's weight freezing, compile
-time reported apart), interleaved in one process (each round times every variant), at tree
+compiled step (specdec.compiled_step: torch.compile with inductor's weight freezing on CPU,
+CUDA graphs on CUDA; --compile-modes for several torch.compile modes; compile time reported
+apart), interleaved in one process (each round times every variant), at tree
 sizes T and a context of --ctx tokens.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_path.py --threads 1 \
@@ -39,6 +40,12 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--compile", action="store_true", help="add the compiled step")
+    p.add_argument(
+        "--compile-modes",
+        default=None,
+        help="torch.compile modes of the compiled step, one variant each (default: the "
+        "device's, compiled_step.compile_mode: reduce-overhead = CUDA graphs on CUDA)",
+    )
     p.add_argument("--json", default=None)
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
@@ -47,10 +54,12 @@ def main():
     model.compiled_step = False
     # the decode path's parts are CPU-only (their configure leaves a GPU model as it is)
     variants = dict(VARIANTS) if opts.device == "cpu" else {"eager": VARIANTS["eager"]}
-    step = None
-    if opts.compile:
-        variants["compiled"] = (False, False, False)
-        step = compiled_step.CompiledStep(model)
+    steps = {}  # variant name -> its CompiledStep
+    if opts.compile or opts.compile_modes:
+        for mode in opts.compile_modes.split(",") if opts.compile_modes else [None]:
+            name = "compiled" if mode is None else f"compiled[{mode}]"
+            variants[name] = (False, False, False)
+            steps[name] = compiled_step.CompiledStep(model, mode=mode)
     cache = model.new_cache(1, opts.ctx + 64)
     dev = torch.device(opts.device)
     slots = torch.tensor([0], dtype=torch.int32, device=dev)
@@ -66,19 +75,22 @@ def main():
         args = (tokens, cache, slots, num_nodes, mask, depth)
 
         row = {"T": T, "ctx": opts.ctx, "threads": opts.threads, "device": opts.device}
-        if step is not None:  # compile this T's graph once, outside the timed rounds
+        for name, step in steps.items():  # compile this T's graph once, outside the rounds
             packed_linear.configure(model, False)
             layer_ops.configure(model, False)
             model.compiled_step = step
             t0 = time.perf_counter()
-            model.forward(*args)
-            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            for _ in range(3 if step.cuda_graphs else 1):  # graphs are recorded on a later call
+                model.forward(*args)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            row[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(opts.rounds):
             for name, (packed, fused, layer) in variants.items():
                 packed_linear.configure(model, packed)
                 layer_ops.configure(model, fused, decode_layer=layer)
-                model.compiled_step = step if name == "compiled" else False
+                model.compiled_step = steps.get(name, False)
                 times[name].append(
                     time_fn(model.forward, 2, opts.iters, device=dev, inputs=[args]) * 1e3
                 )

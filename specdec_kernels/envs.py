@@ -41,6 +41,9 @@ SPECDEC_COMPILE            Whether the decode engine runs the target's verify st
                            empty): off for now (compile time, minutes per tree size
                            on CPU, outweighs the per-step gain in short runs). The
                            CLI's ``--compile`` / ``--no-compile`` override it.
+SPECDEC_COMPILE_MODE       torch.compile's ``mode`` for that step: ``default``,
+                           ``reduce-overhead`` (CUDA graphs), ``max-autotune``, ...
+                           (default: ``reduce-overhead`` on CUDA, ``default`` on CPU).
 SPECDEC_PREPACK_WEIGHTS    Whether the decode engine runs the bf16 linear layers of
                            the target and the drafter on CPU with oneDNN-prepacked
                            weights (``specdec.packed_linear``): ``1`` on, ``0`` off,
@@ -75,6 +78,7 @@ if TYPE_CHECKING:
     SPECDEC_VALIDATE: bool = False
     SPECDEC_CPU_ISA: str | None = None
     SPECDEC_COMPILE: bool | str = "auto"
+    SPECDEC_COMPILE_MODE: str | None = None
     SPECDEC_PREPACK_WEIGHTS: bool | str = "auto"
     SPECDEC_LAYER_OPS: bool | str = "auto"
     SPECDEC_CACHE_DIR: str = "~/.cache/specdec"
@@ -113,6 +117,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "SPECDEC_CPU_ISA": lambda: _str("SPECDEC_CPU_ISA"),
     # The decode engine.
     "SPECDEC_COMPILE": lambda: _tristate("SPECDEC_COMPILE"),
+    "SPECDEC_COMPILE_MODE": lambda: _str("SPECDEC_COMPILE_MODE"),
     "SPECDEC_PREPACK_WEIGHTS": lambda: _tristate("SPECDEC_PREPACK_WEIGHTS"),
     "SPECDEC_LAYER_OPS": lambda: _tristate("SPECDEC_LAYER_OPS"),
     "SPECDEC_CACHE_DIR": lambda: _str(

@@ -37,24 +37,48 @@ def write_kv(
     v_cache: Tensor,
     layer: int,
     rows: Tensor,
-    valid: Tensor,
+    source: Tensor,
     k: Tensor,
     v: Tensor,
 ) -> None:
-    """k_cache, v_cache: [L, num_blocks, block_size, Hkv, D]; rows: int64 [N]; valid: bool [N];
-    k, v: [N, Hkv, D] -> the valid entries written at their rows of layer `layer` (as
-    PagedKVCache.write_rows). An op that declares the mutation, so that inductor writes the
-    cache in place (index_copy_ on a view of a graph input is functionalized into copies of
-    the layer's whole cache), and whose data-dependent selection stays out of the graph.
-    (The selection syncs on CUDA; CUDA graphs would need a sync-free form.)"""
-    rows, k, v = rows[valid], k[valid], v[valid]
+    """k_cache, v_cache: [L, num_blocks, block_size, Hkv, D]; rows: int64 [N], the cache row
+    of each of the N = B * T nodes; source: int64 [N], the node whose K/V each entry writes:
+    itself for a real node, node 0 of its tree for padding; k, v: [N, Hkv, D] -> written at
+    their rows of layer `layer` (as PagedKVCache.write_rows). Padding thus rewrites its tree's
+    node 0 with node 0's own values (duplicate indices, identical values: deterministic), so
+    the write has static shapes and no host sync: CUDA graphs can capture it. An op that
+    declares the mutation, so that inductor writes the cache in place (index_copy_ on a view
+    of a graph input is functionalized into copies of the layer's whole cache)."""
+    rows, k, v = rows[source], k[source], v[source]
     k_cache[layer].view(-1, *k.shape[1:]).index_copy_(0, rows, k.to(k_cache.dtype))
     v_cache[layer].view(-1, *v.shape[1:]).index_copy_(0, rows, v.to(v_cache.dtype))
 
 
 @write_kv.register_fake
-def _(k_cache, v_cache, layer, rows, valid, k, v) -> None:
+def _(k_cache, v_cache, layer, rows, source, k, v) -> None:
     return None
+
+
+def write_sources(num_nodes: Tensor, T: int) -> Tensor:
+    """num_nodes: int32 [B] (>= 1) -> int64 [B * T]: write_kv's source of each node (itself
+    when real, node 0 of its tree when padding)."""
+    B = num_nodes.shape[0]
+    entry = torch.arange(B * T, device=num_nodes.device).view(B, T)
+    real = entry % T < num_nodes[:, None]
+    return torch.where(real, entry, entry[:, :1]).flatten()
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_mode(device: torch.device, mode: str | None = None) -> tuple[str, bool]:
+    """-> (torch.compile's mode for a step on `device`, whether inductor replays it as CUDA
+    graphs). mode None: SPECDEC_COMPILE_MODE, else "reduce-overhead" on CUDA and "default"
+    elsewhere (CPU tensors have no graphs)."""
+    if mode is None:
+        on_cuda = device.type == "cuda"
+        mode = envs.SPECDEC_COMPILE_MODE or ("reduce-overhead" if on_cuda else "default")
+    return mode, device.type == "cuda" and mode in CUDA_GRAPH_MODES
 
 
 def bucket(T: int) -> int:
@@ -83,7 +107,7 @@ def _step(
     tokens: Tensor,
     positions: Tensor,
     rows: Tensor,
-    valid: Tensor,
+    sources: Tensor,
     block_table: Tensor,
     cache_lens: Tensor,
     num_nodes: Tensor,
@@ -92,8 +116,8 @@ def _step(
     v_cache: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The traced body. tokens, positions: long [B, T] (positions = cache_lens + depth);
-    rows: int64 [B * T] physical cache rows of nodes 0..T-1, valid: bool [B * T] (the real
-    nodes, written; padding is not); block_table: int32 [B, nb];
+    rows: int64 [B * T] physical cache rows of nodes 0..T-1, sources: int64 [B * T] (write_kv's:
+    padding writes nothing new); block_table: int32 [B, nb];
     cache_lens, num_nodes: int32 [B]; tree_mask: int64 [B, T, W]; k_cache, v_cache:
     [L, num_blocks, block_size, Hkv, D] (written in place) -> logits [B, T, V] float32,
     hidden [B, T, dim], aux [B, T, len(feature_layers) * dim]."""
@@ -105,7 +129,7 @@ def _step(
         attn = layer.attention
         q, k, v = attn.project(layer.attention_norm(x), cos, sin)
         kv_shape = (B * T, attn.n_kv_heads, attn.head_dim)
-        write_kv(k_cache, v_cache, i, rows, valid, k.reshape(kv_shape), v.reshape(kv_shape))
+        write_kv(k_cache, v_cache, i, rows, sources, k.reshape(kv_shape), v.reshape(kv_shape))
         out = ops.tree_verify(
             q, k_cache[i], v_cache[i], block_table, cache_lens, num_nodes, tree_mask, attn.scale
         )
@@ -123,9 +147,11 @@ class CompiledStep:
 
     model: the target; freezing: inductor's weight freezing / prepacking (default: on CPU,
     where it pays; off on CUDA, where the weights stay parameters); mode: torch.compile's
-    mode (default None; "reduce-overhead" needs a sync-free write_kv first); max_shapes: shapes
-    compiled at most, later ones run eagerly (each costs a compile; a long-running engine meets
-    few: T is fixed per tree size and B by the batch)."""
+    mode (default: SPECDEC_COMPILE_MODE, else "reduce-overhead" on CUDA, as gpt-fast: each
+    shape's step is replayed as a CUDA graph, one launch instead of ~20 per layer; "default" on
+    CPU, where there are no graphs); max_shapes: shapes compiled at most, later ones run
+    eagerly (each costs a compile; a long-running engine meets few: T is fixed per tree size
+    and B by the batch)."""
 
     def __init__(
         self,
@@ -139,9 +165,7 @@ class CompiledStep:
         self.model = model
         device = model.tok_embeddings.weight.device
         self.freezing = device.type == "cpu" if freezing is None else freezing
-        # mode None on CUDA too: write_kv's selection of the real nodes syncs, which CUDA-graph
-        # capture ("reduce-overhead", as gpt-fast) refuses; not run on a GPU yet
-        self.mode = mode
+        self.mode, self.cuda_graphs = compile_mode(device, mode)
         self.max_shapes = max_shapes
         self.fullgraph = fullgraph
         self.backend = backend
@@ -195,13 +219,12 @@ class CompiledStep:
             tree_mask = F.pad(tree_mask, (0, W - tree_mask.shape[2], 0, Tb - T))
         cache_lens = cache.cache_lens[slots]
         node = torch.arange(Tb, device=tokens.device)[None]
-        valid = node < num_nodes[:, None]
         rows, _ = cache.rows(slots, cache_lens[:, None] + node)  # padding's rows: unused
         args = (
             tokens,
             (cache_lens[:, None] + depth).long(),
             rows,
-            valid.flatten(),
+            write_sources(num_nodes, Tb),
             cache.block_table[slots],
             cache_lens,
             num_nodes,
@@ -216,14 +239,24 @@ class CompiledStep:
         # shared by every CompiledStep and shape): its recompile limit (8) must cover them all;
         # max_shapes bounds what each CompiledStep adds
         limit = max(256, torch._dynamo.config.recompile_limit)
+        if self.cuda_graphs:
+            # the cache is written in place by the replays: its address is part of the graph
+            # (dynamo guards on it, so another cache recompiles instead of writing this one);
+            # the other inputs are copied into the graph's own buffers at each replay
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+            torch.compiler.cudagraph_mark_step_begin()
         with (
             torch._inductor.config.patch(freezing=self.freezing),
             torch._dynamo.config.patch(recompile_limit=limit),
         ):
             t0 = time.perf_counter()
-            out = VerifyOut(*fn(*args))
+            outputs = fn(*args)
             if key not in self.compile_s:
                 self.compile_s[key] = time.perf_counter() - t0
+        if self.cuda_graphs:  # the next replay reuses the output buffers: the caller keeps these
+            outputs = tuple(t.clone() for t in outputs)
+        out = VerifyOut(*outputs)
         return out if Tb == T else VerifyOut(*(t[:, :T] for t in out))
 
 

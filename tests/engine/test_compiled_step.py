@@ -187,3 +187,79 @@ def test_configure_leaves_other_targets_eager():
 
     assert compiled_step.configure(OtherTarget()) is None
     assert compiled_step.configure(OtherTarget(), setting=True) is None
+
+
+def test_write_sources_send_padding_to_node_zero():
+    """write_kv's sources: real nodes write themselves, padding rewrites its tree's node 0
+    (same row, same values), so the write needs no data-dependent shape (CUDA graphs)."""
+    sources = compiled_step.write_sources(torch.tensor([3, 1, 4], dtype=torch.int32), 4)
+    assert sources.tolist() == [0, 1, 2, 0, 4, 4, 4, 4, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize(
+    "device, env, expected",
+    [
+        ("cpu", None, ("default", False)),
+        ("cpu", "reduce-overhead", ("reduce-overhead", False)),  # no graphs of CPU tensors
+        ("cuda", None, ("reduce-overhead", True)),  # gpt-fast's choice on GPUs
+        ("cuda", "default", ("default", False)),
+        ("cuda", "max-autotune-no-cudagraphs", ("max-autotune-no-cudagraphs", False)),
+    ],
+)
+def test_compile_mode_per_device(monkeypatch, device, env, expected):
+    if env is None:
+        monkeypatch.delenv("SPECDEC_COMPILE_MODE", raising=False)
+    else:
+        monkeypatch.setenv("SPECDEC_COMPILE_MODE", env)
+    assert compiled_step.compile_mode(torch.device(device)) == expected
+    assert compiled_step.compile_mode(torch.device(device), "default") == ("default", False)
+    if device == "cpu":
+        step = compiled_step.CompiledStep(tiny_model())
+        assert (step.mode, step.cuda_graphs) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_step_decodes_like_eager():
+    """On a GPU the compiled step runs as CUDA graphs ("reduce-overhead"): greedy decoding
+    through the replays (plain at batch 2, EAGLE trees at batch 1) reproduces the eager
+    engine token for token (float32), and each replay's outputs survive the next one."""
+    m = tiny_model(layer_scale=1.0, seed=1).cuda()
+    head = EagleHead.random(m, version=2, seed=1).cuda()
+    compiled_step.disable(m)
+    plain, _ = run(m, None, "chain:1", 2)
+    eagle, _ = run(m, head, "dynamic:3,2,5", 1)
+    step = compiled_step.enable(m)
+    try:
+        assert step.cuda_graphs
+        assert run(m, None, "chain:1", 2)[0] == plain
+        assert run(m, head, "dynamic:3,2,5", 1)[0] == eagle
+        tokens, num_nodes, mask, depth = (t.cuda() for t in trees())
+        cache = m.new_cache(2, 32, block_size=4)
+        slots = torch.arange(2, device="cuda")
+        first = step(tokens, cache, slots, num_nodes, mask, depth)
+        kept = first.logits.clone()
+        step(tokens.flip(1), cache, slots, num_nodes, mask, depth)
+        assert torch.equal(first.logits, kept)
+    finally:
+        compiled_step.disable(m)
+
+
+def test_write_kv_passes_opcheck_and_writes_real_nodes_only():
+    """The cache write as an op (schema, fake, mutation declared: torch.library.opcheck), and
+    its effect: two trees of 3 and 1 real nodes in T = 4 write exactly those 4 rows."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(2, 6, 4, 2, 8, generator=gen)
+    v_cache = torch.randn(2, 6, 4, 2, 8, generator=gen)
+    rows = torch.tensor([5, 6, 7, 8, 16, 17, 18, 19])
+    num_nodes = torch.tensor([3, 1], dtype=torch.int32)
+    sources = compiled_step.write_sources(num_nodes, 4)
+    k, v = torch.randn(8, 2, 8, generator=gen), torch.randn(8, 2, 8, generator=gen)
+    torch.library.opcheck(
+        compiled_step.write_kv, (k_cache.clone(), v_cache.clone(), 1, rows, sources, k, v)
+    )
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    real = torch.tensor([0, 1, 2, 4])
+    ref_k[1].view(-1, 2, 8)[rows[real]] = k[real]
+    ref_v[1].view(-1, 2, 8)[rows[real]] = v[real]
+    compiled_step.write_kv(k_cache, v_cache, 1, rows, sources, k, v)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
