@@ -119,6 +119,43 @@ def test_decode_layer_bitwise_the_modules(dtype, prepack, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("prepack", [True, False])
+@pytest.mark.parametrize("change", ["in_place", "new_parameter", "load_state_dict", "eps", "off"])
+def test_decode_layer_sees_changes_after_a_step(prepack, change, monkeypatch):
+    """decode_layer's arguments are cached per block between steps: a change to the modules
+    made after a step (weights updated in place, a new Parameter, load_state_dict, eps, the
+    layer ops switched off) must show in the next step, bitwise as the modules compute it."""
+    calls = count_decode_layer_calls(monkeypatch)
+    model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
+    other = tiny_model(layer_scale=1.0, seed=2).to(torch.bfloat16)
+    packed_linear.configure(model, prepack)
+    layer_ops.configure(model, True)
+    torch.manual_seed(0)
+    cache, slots, prompts, args = verify_inputs(model)
+    model.prefill(prompts, cache, slots)
+    model.forward(*args)  # fills the cache of every block
+    block = model.layers[1]
+    with torch.no_grad():
+        if change == "in_place":
+            block.feed_forward.w2.weight.mul_(-2)
+        elif change == "new_parameter":
+            block.attention.wqkv.weight = torch.nn.Parameter(other.layers[1].attention.wqkv.weight)
+        elif change == "load_state_dict":
+            model.load_state_dict(other.state_dict())
+        elif change == "eps":
+            block.attention_norm.eps = block.ffn_norm.eps = 100.0  # large: changes the outputs
+        else:
+            layer_ops.configure(model, False)
+    calls.clear()
+    cached = model.forward(*args)
+    assert calls == [change != "off"] * len(model.layers)
+    for b in model.layers:  # the same step from the modules
+        b.layer_ops = False
+    expected = model.forward(*args)
+    for a, b in zip(cached, expected):  # decode_layer is bitwise the modules' layer ops
+        assert torch.equal(a, b)
+
+
 def test_decode_layer_leaves_other_linears_to_the_modules(monkeypatch):
     """A block whose linears are not plain (tensor parallelism's all-reducing RowParallelLinear
     is such a subclass) runs its modules."""
