@@ -182,17 +182,9 @@ def test_measure_covers_smaller_batch_sizes():
     assert cost.verify(1, 1) == cost.others[0]["verify_s"][0]
 
 
-def test_policy_follows_live_occupancy():
-    """Same values, same statistics: one request gets a big tree, a full batch a plain step;
-    and the plain / speculative decision follows the occupancy too."""
-    p = Policy(LOAD, SPEC)
-    v = p.node_value(None, torch.tensor([[0.9, 0.6, 0.3]]).log(), depth=1)
-    p.batch = 1
-    assert p.size(v, 1) == 3
-    p.batch = 4
-    assert p.size(v, 1) == 1 or p.size(v, 1) == 0
-    assert p.size(p.node_value(None, torch.tensor([[0.3, 0.05, 0.01]]).log(), depth=1), 1) == 0
-    # a head accepted half the time on 2-node chains: pays alone, not in a full batch
+def _half_accepted_chain(p: Policy, steps: int, before_step=None) -> None:
+    """`steps` speculative steps of 2-node chains whose draft is accepted every other step;
+    before_step(i), if given, runs before step i."""
     d = type(
         "D",
         (),
@@ -203,16 +195,29 @@ def test_policy_follows_live_occupancy():
             confidence=torch.tensor([[1.0, 0.5]]),
         ),
     )()
-    for i in range(40):
-        p.batch = 1 + 3 * (i % 2)  # the occupancy moved; the step's time is priced at its own
+    for i in range(steps):
+        if before_step is not None:
+            before_step(i)
         p.size(torch.tensor([[0.5]]), 1)
-        accepted = i % 2 == 0
+        ok = i % 2 == 0
         p.observe(
-            d,
-            torch.tensor([[0, 1]]),
-            torch.tensor([[0, 1 if accepted else -1]]),
-            torch.tensor([int(accepted)]),
+            d, torch.tensor([[0, 1]]), torch.tensor([[0, 1 if ok else -1]]), torch.tensor([int(ok)])
         )
+
+
+def test_policy_follows_live_occupancy():
+    """Same values, same statistics: one request gets a big tree, a full batch a plain step;
+    and the plain / speculative decision follows the occupancy too."""
+    p = Policy(LOAD, SPEC)
+    v = p.node_value(None, torch.tensor([[0.9, 0.6, 0.3]]).log(), depth=1)
+    p.batch = 1
+    assert p.size(v, 1) == 3
+    p.batch = 4
+    assert p.size(v, 1) == 1 or p.size(v, 1) == 0
+    assert p.size(p.node_value(None, torch.tensor([[0.3, 0.05, 0.01]]).log(), depth=1), 1) == 0
+    # a head accepted half the time on 2-node chains: pays alone, not in a full batch; the
+    # occupancy moves between steps, each step's time is priced at its own
+    _half_accepted_chain(p, 40, lambda i: setattr(p, "batch", 1 + 3 * (i % 2)))
     p.batch = 1
     assert p.spec_rate() > p.plain_rate() and p.speculate()
     p.batch = 4
@@ -383,26 +388,6 @@ def test_policy_loses_little_when_speculation_does_not_pay(accepted_every):
     accepts = lambda i: accepted_every and i % accepted_every == accepted_every - 1  # noqa: E731
     _, _, speedup = simulate(p, lambda i: 0.5, accepts, 400)
     assert speedup > 0.97
-
-
-def _half_accepted_chain(p: Policy, steps: int) -> None:
-    """`steps` speculative steps of 2-node chains whose draft is accepted every other step."""
-    d = type(
-        "D",
-        (),
-        dict(
-            tokens=torch.tensor([[5, 6]]),
-            parents=torch.tensor([[-1, 0]], dtype=torch.int32),
-            num_nodes=torch.tensor([2], dtype=torch.int32),
-            confidence=torch.tensor([[1.0, 0.5]]),
-        ),
-    )()
-    for i in range(steps):
-        p.size(torch.tensor([[0.5]]), 1)
-        ok = i % 2 == 0
-        p.observe(
-            d, torch.tensor([[0, 1]]), torch.tensor([[0, 1 if ok else -1]]), torch.tensor([int(ok)])
-        )
 
 
 def test_policy_prices_rule_one_by_measured_step_times():
