@@ -14,7 +14,9 @@ Needs a CPU with AVX512-BF16 and a C++ compiler. Session 9 (a 2-vCPU AMD EPYC wi
 oneDNN ~11 GB/s, row-streaming ~9-15, tiled ~22 GB/s against ~29 GB/s of a plain sum over the
 same bytes: the linears of a step 2x faster.
 
-    PYTHONPATH=.:python OMP_NUM_THREADS=1 python benchmarks/bench_gemv_layout.py 1
+    PYTHONPATH=.:python OMP_NUM_THREADS=1 python benchmarks/bench_gemv_layout.py 1 [2,4,8,16]
+
+(the optional second argument: row counts M to time the tiled layout at, row by row per tile)
 """
 
 import statistics
@@ -84,6 +86,18 @@ torch::Tensor gemv_packed(torch::Tensor P, torch::Tensor x, int64_t N) {
   at::parallel_for(0, N / 64, 4, [&](int64_t b, int64_t e) { tiles(p, xp, yp, b, e, K); });
   return y.to(torch::kBFloat16);
 }
+torch::Tensor linear_packed(torch::Tensor P, torch::Tensor X, int64_t N) {  // X [M, K] -> [M, N]
+  const int64_t M = X.size(0), K = X.size(1);
+  auto Y = torch::empty({M, N}, X.options().dtype(torch::kFloat));
+  const uint16_t* p = (const uint16_t*)P.data_ptr(); const uint16_t* xp = (const uint16_t*)X.data_ptr();
+  float* yp = Y.data_ptr<float>();
+  // per tile, every row: the tile's weights are re-read from L2 for the rows after the first
+  at::parallel_for(0, N / 64, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t m = 0; m < M; ++m) tiles(p, xp + m * K, yp + m * N, t, t + 1, K);
+  });
+  return Y.to(torch::kBFloat16);
+}
 torch::Tensor gemv(torch::Tensor W, torch::Tensor x) {
   const int64_t N = W.size(0), K = W.size(1);
   auto y = torch::empty({N}, x.options().dtype(torch::kFloat));
@@ -121,7 +135,7 @@ def main():
     mod = load_inline(
         "specdec_gemv_proto",
         cpp_sources=src,
-        functions=["gemv", "pack", "gemv_packed"],
+        functions=["gemv", "pack", "gemv_packed", "linear_packed"],
         extra_cflags=["-O3", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )
@@ -151,6 +165,26 @@ def main():
         for name, ts in times.items():
             t = statistics.median(ts)
             print(f"  {name:20s} {t * 1e3:6.1f} ms  {nbytes / t / 1e9:5.1f} GB/s")
+        for rows in [int(r) for r in (sys.argv[2].split(",") if len(sys.argv) > 2 else [])]:
+            xm = {m: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in lins}
+            for m, packed in packs.items():
+                y = mod.linear_packed(packed, xm[m], m.out_features)
+                for r in range(rows):
+                    check(y[r], xm[m][r], m.weight)
+            pair = {
+                "prepacked oneDNN": lambda xm=xm: [m(xm[m]) for m in lins],
+                "tiled-layout": lambda xm=xm: [
+                    mod.linear_packed(p, xm[m], m.out_features) for m, p in packs.items()
+                ],
+            }
+            t_rows = {name: [] for name in pair}
+            for _ in range(3):
+                for name, f in pair.items():
+                    t_rows[name].append(median_s(f))
+            print(
+                f"  M = {rows}: "
+                + ", ".join(f"{n} {statistics.median(t) * 1e3:.1f} ms" for n, t in t_rows.items())
+            )
         big = torch.randn(nbytes // 2, dtype=torch.bfloat16)
         t = median_s(big.sum)
         print(f"  {'sum of as many bytes':20s} {t * 1e3:6.1f} ms  {nbytes / t / 1e9:5.1f} GB/s")
