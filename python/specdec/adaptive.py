@@ -313,6 +313,12 @@ class Policy:
         (0: a plain step) and trees of `nodes` nodes per request (the root included)."""
         return self.cost.draft(levels, self.batch) + self.cost.verify(nodes, self.batch)
 
+    def step_nodes(self, num_nodes: torch.Tensor, T: int) -> float:
+        """The tree size a step's verify cost is priced at: num_nodes int [B] of trees padded
+        to T; per request the mean real size (the forward computes the real nodes only),
+        else the padded T."""
+        return float(num_nodes.double().mean()) if self.per_request else float(T)
+
     def observe_time(self, seconds: float, speculative: bool, levels: float, nodes: float) -> None:
         """A step took `seconds` (wall, the whole step: drafting to the KV commit); it was
         speculative or plain, with `levels` draft levels and trees of `nodes` nodes per
@@ -511,7 +517,4 @@ class Policy:
         self.spec_tokens = DECAY * self.spec_tokens + tokens
         self.spec_tokens_sq = DECAY * self.spec_tokens_sq + tokens * tokens
         self.spec_levels = DECAY * self.spec_levels + self.levels
-        # the step's verify cost: of the padded size, or per request of the mean real size
-        # (the forward computes the real nodes only)
-        nodes = float(d.num_nodes.double().mean()) if self.per_request else T
-        self.spec_nodes = DECAY * self.spec_nodes + nodes
+        self.spec_nodes = DECAY * self.spec_nodes + self.step_nodes(d.num_nodes, T)

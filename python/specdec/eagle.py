@@ -40,6 +40,7 @@ from .model import (
     TransformerBlock,
     inv_freq,
     rope_cos_sin,
+    unpack_rows,
 )
 from .packed_linear import PackedLinear, WeightPack, packed_product
 
@@ -246,7 +247,7 @@ class EagleHead(nn.Module):
         if not packed:
             return out
         assert picked is not None
-        return out.new_zeros(B * M, out.shape[-1]).index_copy_(0, picked, out[0]).view(B, M, -1)
+        return unpack_rows(out, picked, B, M)
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [..., dim] -> float32 logits [..., Vd] over the draft vocabulary (what

@@ -667,13 +667,11 @@ class Engine:
                 ),
             )
         tree_depth = depth.max(dim=1).values.tolist()
-        num_nodes = d.num_nodes.tolist()
-        for s, a, n, dep in zip(seqs, num_accepted.tolist(), num_nodes, tree_depth):
+        for s, a, n, dep in zip(seqs, num_accepted.tolist(), d.num_nodes.tolist(), tree_depth):
             if s.error is None:
                 s.stats.record_step(a, n, dep)
         if self.policy is not None and self.calibrate:  # the step's cost against the prediction
-            per_request = self.policy.per_request  # the forward computes the real nodes only
-            nodes = sum(num_nodes) / len(num_nodes) if per_request else d.tokens.shape[1]
+            nodes = self.policy.step_nodes(d.num_nodes, d.tokens.shape[1])
             seconds = time.perf_counter() - start
             if adaptive.agree_time is not None:  # tensor parallel: every rank decides alike
                 seconds = adaptive.agree_time(seconds, self.device)

@@ -114,11 +114,19 @@ class AttentionMetadata:
         )
 
 
-def use_layer_ops(module: "RMSNorm | Attention | FeedForward", x: Tensor) -> bool:
-    """Whether module (RMSNorm, Attention, FeedForward) runs its elementwise pieces through
-    the C++ layer ops on x: switched on per module by specdec.layer_ops.configure, and only
-    for inference on CPU (training takes the autograd-able torch ops; torch.compile traces
-    them too, and fuses them itself)."""
+def unpack_rows(t: Tensor, picked: Tensor, B: int, T: int) -> Tensor:
+    """t: [1, N, C], the packed real nodes (AttentionMetadata.picked of a padded [B, T]) ->
+    [B, T, C], zeros at padding."""
+    return t.new_zeros(B * T, t.shape[-1]).index_copy_(0, picked, t[0]).view(B, T, -1)
+
+
+def use_layer_ops(
+    module: "RMSNorm | Attention | FeedForward | TransformerBlock", x: Tensor
+) -> bool:
+    """Whether module (RMSNorm, Attention, FeedForward; a TransformerBlock: as one decode_layer
+    call) runs its elementwise pieces through the C++ layer ops on x: switched on per module
+    by specdec.layer_ops.configure, and only for inference on CPU (training takes the
+    autograd-able torch ops; torch.compile traces them too, and fuses them itself)."""
     return (
         module.layer_ops is True
         and x.device.type == "cpu"
@@ -345,12 +353,9 @@ class TransformerBlock(nn.Module):
         input norm (EAGLE heads), or linears that are not plain (tensor parallelism's
         all-reducing ones)."""
         if (
-            not self.layer_ops
+            not use_layer_ops(self, x)
             or meta.mode != "verify"
             or meta.start != 0
-            or x.device.type != "cpu"
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
             or cos.dtype != x.dtype
             or cos.shape[:2] != x.shape[:2]
             or (not meta.packed and x.shape[1] != meta.tree_mask.shape[1])  # type: ignore[union-attr]
@@ -607,8 +612,6 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens.flatten()[picked][None])  # [1, N, dim]
         h, feats = self._layers(x, cos, sin, meta, feature_layers)
 
-        def unpack(t: Tensor) -> Tensor:  # [1, N, C] -> [B, T, C], zeros at padding
-            return t.new_zeros(B * T, t.shape[-1]).index_copy_(0, picked, t[0]).view(B, T, -1)
-
-        aux = unpack(torch.cat(feats, dim=-1)) if feats else h.new_empty(B, T, 0)
-        return VerifyOut(unpack(self.lm_head(h).float()), unpack(h), aux)
+        aux = unpack_rows(torch.cat(feats, dim=-1), picked, B, T) if feats else h.new_empty(B, T, 0)
+        logits = unpack_rows(self.lm_head(h).float(), picked, B, T)
+        return VerifyOut(logits, unpack_rows(h, picked, B, T), aux)
