@@ -31,12 +31,14 @@ def extension():
                 "cxx": build.CXX_FLAGS,
                 "nvcc": build.NVCC_FLAGS + build.cuda_arch_flags(),
             },
+            extra_link_args=build.LD_FLAGS,
         )
     return CppExtension(
         "specdec_kernels._C",
         rel(build.cpp_sources()),
         include_dirs=build.include_dirs(),
         extra_compile_args={"cxx": build.CXX_FLAGS},
+        extra_link_args=build.LD_FLAGS,
     )
 
 

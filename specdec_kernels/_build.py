@@ -29,7 +29,12 @@ envs = _load_envs()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 
-CXX_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno"]
+# -fopenmp: ATen's at::parallel_for is a header template that runs its body serially unless
+# the including file is compiled with OpenMP, so without it every CPU kernel ran on one thread.
+# The OpenMP runtime is torch's own (libgomp.so.1, already loaded by libtorch_cpu), so the
+# kernels share torch's thread pool and torch.set_num_threads.
+CXX_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-fopenmp"]
+LD_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
 # sm_80 (A100) and sm_90 (H100/H200) unless TORCH_CUDA_ARCH_LIST says otherwise.
 DEFAULT_CUDA_ARCHS = envs.DEFAULT_CUDA_ARCHS

@@ -52,6 +52,7 @@ def _jit_load() -> None:
         extra_cflags=_build.CXX_FLAGS + (["-DSPECDEC_WITH_CUDA"] if with_cuda else []),
         extra_cuda_cflags=_build.NVCC_FLAGS + _build.cuda_arch_flags() + ["-DSPECDEC_WITH_CUDA"],
         extra_include_paths=_build.include_dirs(),
+        extra_ldflags=_build.LD_FLAGS,
         build_directory=build_dir,
         is_python_module=False,
         verbose=envs.SPECDEC_VERBOSE_BUILD,
