@@ -497,6 +497,57 @@ void check_silu_and_mul(const at::Tensor& x) {
               x.size(-1));
 }
 
+namespace {
+
+// A linear weight's tiles (pack_linear_tiles) for a logical [out_features, in_features] weight.
+void check_weight_tiles(const at::Tensor& w, const char* name, int64_t out_features,
+                        int64_t in_features) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, name, " (tiles) must be bfloat16, got ",
+              w.scalar_type());
+  TORCH_CHECK(out_features >= 0, "out_features must be >= 0, got ", out_features);
+  TORCH_CHECK(in_features >= 2 && in_features % 2 == 0, name,
+              " (tiles) needs an even in_features >= 2, got ", in_features);
+  const int64_t num_tiles = (out_features + 63) / 64;
+  TORCH_CHECK(w.dim() == 4 && w.size(0) == num_tiles && w.size(1) == in_features / 2 &&
+                  w.size(2) == 64 && w.size(3) == 2,
+              name, " must be the tiles of a [", out_features, ", ", in_features,
+              "] weight (pack_linear_tiles): shape [ceil(out_features / 64), in_features / 2, 64, "
+              "2] = [",
+              num_tiles, ", ", in_features / 2, ", 64, 2], got ", w.sizes());
+  TORCH_CHECK(w.is_contiguous(), name,
+              " (tiles) must be contiguous, as pack_linear_tiles makes it");
+}
+
+// A decode_layer weight of logical shape [out_features, in_features]: tiles, or plain / oneDNN
+// (whose sizes are the logical shape).
+void check_linear_weight(const at::Tensor& w, const char* name, int64_t out_features,
+                         int64_t in_features) {
+  if (w.dim() == 4 && !w.is_mkldnn()) {
+    check_weight_tiles(w, name, out_features, in_features);
+    return;
+  }
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == out_features && w.size(1) == in_features, name,
+              " must have shape [out_features, in_features] = [", out_features, ", ", in_features,
+              "], got ", w.sizes());
+}
+
+}  // namespace
+
+void check_tiled_linear(const at::Tensor& x, const at::Tensor& weight_tiles, int64_t out_features,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "x must be [..., in_features], got a 0-d tensor");
+  check_same_device(x, weight_tiles, "x", "weight_tiles");
+  check_weight_tiles(weight_tiles, "weight_tiles", out_features, x.size(-1));
+  if (bias.has_value()) {
+    check_same_device(x, *bias, "x", "bias");
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16, "bias must be bfloat16, got ",
+                bias->scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features,
+                "bias must have shape [out_features] = [", out_features, "], got ", bias->sizes());
+  }
+}
+
 void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_weight,
                         const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
                         const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
@@ -522,45 +573,56 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
               "num_q_heads must be a positive multiple of num_kv_heads >= 1, got ", num_q_heads,
               " and ", num_kv_heads);
   const int64_t heads = num_q_heads + 2 * num_kv_heads;
+  // The head dim from cos (rope rotates pairs): every weight's shape follows from it, dim and
+  // the MLP's hidden size, whatever the weights' layouts (tiles pad their output rows).
+  for (const auto& [t, name] :
+       {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
+    check_same_dtype(t, x, name, "x");
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == x.size(0) && t.size(1) == x.size(1) &&
+                    t.size(2) == 1 && t.size(3) == cos.size(-1) && t.size(3) >= 2 &&
+                    t.size(3) % 2 == 0,
+                name, " must have shape [B, M, 1, D] = [", x.size(0), ", ", x.size(1),
+                ", 1, D] with D the (even) head dim, got ", t.sizes());
+  }
+  const int64_t D = cos.size(3);
   for (const auto& [w, name] : {std::pair<const at::Tensor&, const char*>{wqkv, "wqkv"},
                                 {wo, "wo"},
                                 {w13, "w13"},
                                 {w2, "w2"}}) {
     check_same_dtype(w, x, name, "x");
-    TORCH_CHECK(w.dim() == 2, name, " must be a 2-D [out_features, in_features] weight, got shape ",
-                w.sizes());
-    TORCH_CHECK(w.is_mkldnn() == prepacked, name,
-                prepacked ? " must be prepacked (mkldnn._reorder_linear_weight) when prepacked"
-                          : " must be a plain strided weight when prepacked is false");
+    if (prepacked) {
+      TORCH_CHECK(w.is_mkldnn() || w.dim() == 4, name,
+                  " must be prepacked (mkldnn._reorder_linear_weight, or pack_linear_tiles) "
+                  "when prepacked, got a plain weight of shape ",
+                  w.sizes());
+    } else {
+      TORCH_CHECK(!w.is_mkldnn() && w.dim() == 2, name,
+                  " must be a plain strided [out_features, in_features] weight when prepacked is "
+                  "false, got ",
+                  w.is_mkldnn() ? "a oneDNN-prepacked one" : "shape ", w.sizes());
+    }
   }
-  TORCH_CHECK(wqkv.size(1) == dim, "wqkv must have in_features = dim = ", dim, ", got shape ",
-              wqkv.sizes());
-  TORCH_CHECK(wqkv.size(0) % heads == 0 && (wqkv.size(0) / heads) % 2 == 0,
-              "wqkv.size(0) = ", wqkv.size(0),
-              " must be (num_q_heads + 2 * num_kv_heads) = ", heads, " times an even head dim");
-  const int64_t D = wqkv.size(0) / heads;
+  check_linear_weight(wqkv, "wqkv", heads * D, dim);
   if (wqkv_bias.has_value()) {
     check_same_dtype(*wqkv_bias, x, "wqkv_bias", "x");
-    TORCH_CHECK(wqkv_bias->dim() == 1 && wqkv_bias->size(0) == wqkv.size(0),
-                "wqkv_bias must have shape [wqkv.size(0)] = [", wqkv.size(0), "], got ",
-                wqkv_bias->sizes());
+    TORCH_CHECK(wqkv_bias->dim() == 1 && wqkv_bias->size(0) == heads * D,
+                "wqkv_bias must have shape [(num_q_heads + 2 * num_kv_heads) * D] = [", heads * D,
+                "], got ", wqkv_bias->sizes());
   }
-  TORCH_CHECK(wo.size(0) == dim && wo.size(1) == num_q_heads * D,
-              "wo must have shape [dim, num_q_heads * D] = [", dim, ", ", num_q_heads * D,
-              "], got ", wo.sizes());
-  TORCH_CHECK(w13.size(1) == dim && w13.size(0) % 2 == 0,
-              "w13 must have shape [2 * hidden_dim, dim] (gate then up), got ", w13.sizes());
-  TORCH_CHECK(w2.size(0) == dim && w2.size(1) == w13.size(0) / 2,
-              "w2 must have shape [dim, hidden_dim] = [", dim, ", ", w13.size(0) / 2, "], got ",
-              w2.sizes());
-  for (const auto& [t, name] :
-       {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
-    check_same_dtype(t, x, name, "x");
-    TORCH_CHECK(t.dim() == 4 && t.size(0) == x.size(0) && t.size(1) == x.size(1) &&
-                    t.size(2) == 1 && t.size(3) == D,
-                name, " must have shape [B, M, 1, D] = [", x.size(0), ", ", x.size(1), ", 1, ", D,
-                "], got ", t.sizes());
+  check_linear_weight(wo, "wo", dim, num_q_heads * D);
+  // The MLP's hidden size: half w13's out_features, or w2's in_features when w13 is tiles
+  // (which pad their output rows; a mismatch is then reported as w13's).
+  const bool w13_tiles = w13.dim() == 4 && !w13.is_mkldnn();
+  if (!w13_tiles) {
+    TORCH_CHECK(w13.dim() == 2 && w13.size(0) % 2 == 0 && w13.size(0) >= 2,
+                "w13 must have shape "
+                "[2 * hidden_dim, dim] (gate then up), got ",
+                w13.sizes());
   }
+  const int64_t hidden =
+      w13_tiles ? (w2.dim() == 4 ? 2 * w2.size(1) : w2.size(1)) : w13.size(0) / 2;
+  check_linear_weight(w13, "w13", 2 * hidden, dim);
+  check_linear_weight(w2, "w2", dim, hidden);
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1,
               "rows must be a 1-D int64 tensor of cache rows, got ", rows.scalar_type(), " ",
               rows.sizes());

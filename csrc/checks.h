@@ -59,6 +59,11 @@ void check_rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 
 void check_silu_and_mul(const at::Tensor& x);
 
+// tiled_linear: x [..., K] bf16, weight_tiles the tiles of an [out_features, K] weight
+// (pack_linear_tiles), bias [out_features] bf16.
+void check_tiled_linear(const at::Tensor& x, const at::Tensor& weight_tiles, int64_t out_features,
+                        const std::optional<at::Tensor>& bias);
+
 // Everything decode_layer reads, checked before it writes its K/V: the layer's own arguments,
 // its attention's (check_tree_verify on a stand-in for the q it will compute) and, when values
 // are checked, rows within the cache and picked within the tokens.

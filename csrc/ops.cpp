@@ -164,6 +164,21 @@ at::Tensor silu_and_mul_impl(const at::Tensor& x) {
   return silu_and_mul_cpu(x);
 }
 
+// ---- tiled_linear: a bf16 product over a weight laid out for few rows (csrc/cpu/tiled_linear.cpp)
+at::Tensor tiled_linear_meta(const at::Tensor& x, const at::Tensor& weight_tiles,
+                             int64_t out_features, const std::optional<at::Tensor>& bias) {
+  check_tiled_linear(x, weight_tiles, out_features, bias);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return at::empty(shape, x.options());
+}
+
+at::Tensor tiled_linear_impl(const at::Tensor& x, const at::Tensor& weight_tiles,
+                             int64_t out_features, const std::optional<at::Tensor>& bias) {
+  check_tiled_linear(x, weight_tiles, out_features, bias);
+  return tiled_linear_cpu(x, weight_tiles, out_features, bias);
+}
+
 // ---- decode_layer: one decoder layer of a CPU decode / verify step (csrc/cpu/decode_layer.cpp)
 at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& attention_norm_weight,
                              const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
@@ -255,6 +270,9 @@ TORCH_LIBRARY(specdec, m) {
       "(Tensor q, Tensor k, Tensor v)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def(
+      "tiled_linear(Tensor x, Tensor weight_tiles, int out_features, Tensor? bias=None) -> "
+      "Tensor");
+  m.def(
       "decode_layer(Tensor x, Tensor attention_norm_weight, Tensor ffn_norm_weight, float eps, "
       "Tensor wqkv, Tensor? wqkv_bias, Tensor wo, Tensor w13, Tensor w2, bool prepacked, "
       "Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, Tensor(a!) k_cache, "
@@ -290,6 +308,7 @@ TORCH_LIBRARY_IMPL(specdec, Meta, m) {
   m.impl("add_rms_norm", &add_rms_norm_meta);
   m.impl("rope_qkv", &rope_qkv_meta);
   m.impl("silu_and_mul", &silu_and_mul_meta);
+  m.impl("tiled_linear", &tiled_linear_meta);
   m.impl("decode_layer", &decode_layer_meta);
 }
 
@@ -302,6 +321,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm_impl);
   m.impl("rope_qkv", &rope_qkv_impl);
   m.impl("silu_and_mul", &silu_and_mul_impl);
+  m.impl("tiled_linear", &tiled_linear_impl);
   m.impl("decode_layer", &decode_layer_impl);
 }
 

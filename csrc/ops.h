@@ -54,6 +54,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_cpu(const at::Tensor& qk
 
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
 
+// x [..., K] (bf16) @ the weight [out_features, K] laid out as tiles [ceil(out_features / 64),
+// K / 2, 64, 2] (+ bias) -> [..., out_features] bf16 (csrc/cpu/tiled_linear.cpp).
+at::Tensor tiled_linear_cpu(const at::Tensor& x, const at::Tensor& weight_tiles,
+                            int64_t out_features, const std::optional<at::Tensor>& bias);
+
 // One decoder layer of a decode / verify step (csrc/cpu/decode_layer.cpp); the index tensors
 // as tree_verify_cpu takes them. Writes the new tokens' K/V into k_cache / v_cache at rows.
 at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& attention_norm_weight,

@@ -339,3 +339,43 @@ def silu_and_mul(x: torch.Tensor, *, backend: LayerBackend | None = None) -> tor
         return torch.ops.specdec.silu_and_mul(x)
     torch.ops.specdec.silu_and_mul(*_on_meta(x))
     return reference.silu_and_mul(x)
+
+
+def pack_linear_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight laid out once for tiled_linear.
+
+    Args:
+        weight: [out_features, in_features] bfloat16, in_features even.
+
+    Returns:
+        [ceil(out_features / 64), in_features / 2, 64, 2] contiguous: tile t holds output rows
+        64 t .. 64 t + 63 (zero past out_features), input pairs outermost, so one 64-byte load
+        is 16 outputs x 2 inputs.
+    """
+    return reference.pack_linear_tiles(weight)
+
+
+def tiled_linear(
+    x: torch.Tensor,
+    weight_tiles: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: LayerBackend | None = None,
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) for the few rows of a decode step, over the weight's tiles.
+
+    Args:
+        x: [..., in_features] bfloat16 (any rows; fastest against oneDNN at 1-8).
+        weight_tiles: pack_linear_tiles(weight) of a [out_features, in_features] bf16 weight.
+        out_features: the weight's output rows.
+        bias: [out_features] bfloat16 or None.
+
+    Returns:
+        [..., out_features] bfloat16: float32 accumulation, bias added in float32, one rounding.
+    """
+    if _layer_backend(backend, "tiled_linear") == "cpp":
+        return torch.ops.specdec.tiled_linear(x, weight_tiles, out_features, bias)
+    metas = _on_meta(x, weight_tiles, *([] if bias is None else [bias]))
+    torch.ops.specdec.tiled_linear(metas[0], metas[1], out_features, *metas[2:])
+    return reference.tiled_linear(x, weight_tiles, out_features, bias)

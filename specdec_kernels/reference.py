@@ -311,6 +311,38 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+TILE_OUTPUTS = 64  # output rows per tile of pack_linear_tiles' layout
+
+
+def pack_linear_tiles(weight: Tensor) -> Tensor:
+    """weight: [N, K] (K even) -> its tiles [ceil(N / 64), K / 2, 64, 2], contiguous:
+    tiles[t, k2, j, p] = weight[64 t + j, 2 k2 + p], output rows past N zero (the layout of
+    tiled_linear, csrc/cpu/tiled_linear.cpp)."""
+    N, K = weight.shape
+    if K % 2:
+        raise ValueError(f"weight must have an even in_features, got shape {tuple(weight.shape)}")
+    num_tiles = -(-N // TILE_OUTPUTS)
+    padded = F.pad(weight.detach(), (0, 0, 0, num_tiles * TILE_OUTPUTS - N))
+    return padded.view(num_tiles, TILE_OUTPUTS, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_linear_tiles(weight_tiles: Tensor, out_features: int) -> Tensor:
+    """The inverse of pack_linear_tiles -> [out_features, K]."""
+    num_tiles, pairs = weight_tiles.shape[:2]
+    weight = weight_tiles.permute(0, 2, 1, 3).reshape(num_tiles * TILE_OUTPUTS, 2 * pairs)
+    return weight[:out_features]
+
+
+def tiled_linear(
+    x: Tensor, weight_tiles: Tensor, out_features: int, bias: Tensor | None = None
+) -> Tensor:
+    """x: [..., K] @ the tiled weight^T (+ bias) -> [..., out_features]: float64 products and
+    sums, bias added before the one rounding to x's dtype."""
+    weight = unpack_linear_tiles(weight_tiles, out_features)
+    y = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return y.to(x.dtype)
+
+
 def decode_layer(
     x: Tensor,
     attention_norm_weight: Tensor,

@@ -12,21 +12,29 @@
 // bitwise the eager block's (TransformerBlock.forward with the layer ops and PackedLinear):
 // the same ops on the same inputs in the same order.
 //
-// The linears take oneDNN-prepacked weights (mkldnn._reorder_linear_weight, PackedLinear)
-// when `prepacked`, else plain [out, in] weights through at::linear.
+// The linears take plain [out, in] weights through at::linear, or when `prepacked` each
+// either oneDNN's prepacked weight (mkldnn._reorder_linear_weight) or tiles
+// (pack_linear_tiles, through tiled_linear_cpu), as PackedLinear picks them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 
 #include "ops.h"
 
 namespace specdec {
 namespace {
 
-// mkldnn::_linear_pointwise(X, W, B, attr, scalars, algorithm): oneDNN's linear over a weight
-// reordered once by mkldnn::_reorder_linear_weight (what PackedLinear calls from Python).
+// x @ weight^T (+ bias) -> [..., out_features], the weight in any of its layouts: tiles
+// (4-D), or mkldnn::_linear_pointwise(X, W, B, attr, scalars, algorithm), oneDNN's linear over a
+// weight reordered once by mkldnn::_reorder_linear_weight (what PackedLinear calls from Python).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, bool prepacked) {
+                  const std::optional<at::Tensor>& bias, bool prepacked, int64_t out_features) {
   if (!prepacked) return at::linear(x, weight, bias);
+  if (!weight.is_mkldnn() && weight.dim() == 4) {
+    // called directly (no dispatch), named for the profiler as oneDNN's call is by its op
+    RECORD_FUNCTION("specdec::tiled_linear", std::vector<c10::IValue>());
+    return tiled_linear_cpu(x, weight, out_features, bias);
+  }
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -54,9 +62,11 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& attention_nor
                             const at::Tensor& tree_mask, double sm_scale) {
   const int64_t B = x.size(0), M = x.size(1);
   const at::Tensor h = std::get<1>(rms_norm_cpu(x, std::nullopt, attention_norm_weight, eps));
-  const at::Tensor qkv = linear(h, wqkv, wqkv_bias, prepacked);
+  const int64_t D = cos.size(-1), dim = x.size(-1);
+  const int64_t hidden = w2.dim() == 4 ? 2 * w2.size(1) : w2.size(1);  // w2's in_features
+  const at::Tensor qkv =
+      linear(h, wqkv, wqkv_bias, prepacked, (num_q_heads + 2 * num_kv_heads) * D);
   auto [q, k, v] = rope_qkv_cpu(qkv, cos, sin, num_q_heads, num_kv_heads);
-  const int64_t D = q.size(-1);
 
   // K/V of the new tokens into their cache rows (PagedKVCache.write_rows).
   at::Tensor k_rows = k.reshape({-1, num_kv_heads, D});
@@ -82,10 +92,10 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& attention_nor
     out = tree_verify_cpu(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask,
                           sm_scale);
   }
-  const at::Tensor attn = linear(out.reshape({B, M, -1}), wo, std::nullopt, prepacked);
+  const at::Tensor attn = linear(out.reshape({B, M, -1}), wo, std::nullopt, prepacked, dim);
   auto [sum, normed] = rms_norm_cpu(x, attn, ffn_norm_weight, eps);
-  const at::Tensor gate_up = linear(normed, w13, std::nullopt, prepacked);
-  return at::add(sum, linear(silu_and_mul_cpu(gate_up), w2, std::nullopt, prepacked));
+  const at::Tensor gate_up = linear(normed, w13, std::nullopt, prepacked, 2 * hidden);
+  return at::add(sum, linear(silu_and_mul_cpu(gate_up), w2, std::nullopt, prepacked, dim));
 }
 
 }  // namespace specdec

@@ -96,16 +96,29 @@ def prepack(kw):
     return kw
 
 
+def tile(kw, names=("wqkv", "wo", "w13", "w2")):
+    """kw with the named weights as pack_linear_tiles' tiles (prepacked)."""
+    kw = dict(kw, prepacked=True)
+    for name in names:
+        kw[name] = ops.pack_linear_tiles(kw[name])
+    return kw
+
+
+def tiled_linear(x, weight, bias=None):
+    """F.linear's signature over the weight's tiles."""
+    return ops.tiled_linear(x, ops.pack_linear_tiles(weight), weight.shape[0], bias)
+
+
 def clone(kw):
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
-def chained_ops(kw):
+def chained_ops(kw, linear=F.linear):
     """The eager model's block with the layer ops (TransformerBlock.forward), op by op."""
     x, cache_k, cache_v = kw["x"], kw["k_cache"], kw["v_cache"]
     B, M, _ = x.shape
     h = torch.ops.specdec.rms_norm(x, kw["attention_norm_weight"], kw["eps"])
-    qkv = F.linear(h, kw["wqkv"], kw["wqkv_bias"])
+    qkv = linear(h, kw["wqkv"], kw["wqkv_bias"])
     q, k, v = torch.ops.specdec.rope_qkv(qkv, kw["cos"], kw["sin"], Hq, Hkv)
     k, v = k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
     cache_k.view(-1, Hkv, D).index_copy_(0, kw["rows"], k)
@@ -119,9 +132,9 @@ def chained_ops(kw):
     else:
         out = ops.tree_verify(q, cache_k, cache_v, *args, kw["sm_scale"])
     total, normed = torch.ops.specdec.add_rms_norm(
-        x, F.linear(out.reshape(B, M, -1), kw["wo"]), kw["ffn_norm_weight"], kw["eps"]
+        x, linear(out.reshape(B, M, -1), kw["wo"]), kw["ffn_norm_weight"], kw["eps"]
     )
-    return total + F.linear(torch.ops.specdec.silu_and_mul(F.linear(normed, kw["w13"])), kw["w2"])
+    return total + linear(torch.ops.specdec.silu_and_mul(linear(normed, kw["w13"])), kw["w2"])
 
 
 def oracle(kw):
@@ -193,6 +206,58 @@ def test_prepacked_weights_bitwise_plain(packed):
     plain, pre = clone(kw), prepack(clone(kw))
     assert torch.equal(call_op(plain), call_op(pre))
     assert torch.equal(plain["k_cache"], pre["k_cache"])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_weights_bitwise_the_chained_ops(packed, bias):
+    """Weights as tiles (DIM = 48, HIDDEN = 80: padded last tiles) run tiled_linear: bitwise
+    the chained ops with it, within bf16 rounding of float64."""
+    kw = layer_inputs(torch.bfloat16, packed, bias)
+    want, want_k, _ = oracle(kw)
+    mine, theirs = tile(clone(kw)), clone(kw)
+    got = call_op(mine)
+    assert torch.equal(got, chained_ops(theirs, tiled_linear))
+    assert torch.equal(mine["k_cache"], theirs["k_cache"])
+    x = kw["x"].double()
+    assert close(got - x, want - x, torch.bfloat16)
+    assert close(mine["k_cache"], want_k, torch.bfloat16)
+
+
+@pytest.mark.skipif(not _prepack_supported(), reason="oneDNN without bf16 support")
+def test_mixed_layouts():
+    """Each weight in its own layout (what PackedLinear gives when one has odd in_features)."""
+    kw = layer_inputs(torch.bfloat16, packed=True)
+    mixed = tile(clone(kw), ("wqkv", "w2"))
+    for name in ("wo", "w13"):
+        mixed[name] = torch.ops.mkldnn._reorder_linear_weight(mixed[name], 1)
+
+    def linear(x, weight, bias=None):
+        if weight is kw["wqkv"] or weight is kw["w2"]:
+            return tiled_linear(x, weight, bias)
+        return F.linear(x, weight, bias)  # oneDNN's bits at these sizes
+
+    theirs = clone(kw)
+    for name in ("wqkv", "w2"):  # keep identity for `linear`
+        theirs[name] = kw[name]
+    assert torch.equal(call_op(mixed), chained_ops(theirs, linear))
+
+
+TILED_BAD = {
+    "wqkv": lambda kw: dict(kw, wqkv=kw["wqkv"][:-1]),  # one tile short
+    "w13": lambda kw: dict(kw, w13=kw["w13"][:, :-1]),  # in_features 46
+    "w2": lambda kw: dict(kw, w2=kw["w2"].transpose(2, 3).contiguous().transpose(2, 3)),
+    "prepacked": lambda kw: dict(kw, prepacked=False),
+}
+
+
+@pytest.mark.parametrize("name", list(TILED_BAD))
+def test_bad_tiles_named_and_nothing_written(name):
+    kw = tile(layer_inputs(torch.bfloat16, packed=True))
+    before = kw["k_cache"].clone()
+    with pytest.raises(RuntimeError, match=name):
+        call_op(TILED_BAD[name](kw))
+    assert torch.equal(kw["k_cache"], before)
 
 
 def test_padded_trees_equal_packed_rows():
