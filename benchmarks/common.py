@@ -221,3 +221,12 @@ class BenchRun:
         print_table(self.rows, self.meta["columns"])
         write_json(self.path, self.rows, self.meta)
         print(f"wrote {self.path}")
+
+
+def use_tiles(on: bool) -> None:
+    """The CPU decode path's bf16 products over the weights' tiles where SPECDEC_TILED_ROWS=auto
+    takes them (on), or never (oneDNN's layout)."""
+    if on:
+        os.environ.pop("SPECDEC_TILED_ROWS", None)
+    else:
+        os.environ["SPECDEC_TILED_ROWS"] = "0"

@@ -1,7 +1,8 @@
 """Where one bf16 verify step of the default model goes, by operator class (torch.profiler self
 CPU time), for the eager modules, the CPU decode path with the layer ops op by op, and with each
-block as one decode_layer call; "Python and dispatch" is the wall time the profiled ops do not
-account for. Wall time is measured apart from the profiled passes.
+block as one decode_layer call, the linears in oneDNN's layout, then (decode_layer+tiles) in
+the tiles' where SPECDEC_TILED_ROWS (auto) takes them; "Python and dispatch" is the wall time the
+profiled ops do not account for. Wall time is measured apart from the profiled passes.
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:python python benchmarks/profile_decode_step.py --threads 1
 """
@@ -12,16 +13,18 @@ import json
 import time
 
 import torch
+from common import use_tiles
 from torch.profiler import profile
 
 from specdec import layer_ops, packed_linear
 from specdec.loader import load_model
 from specdec_kernels import ops
 
-VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer)
-    "eager": (False, False, False),
-    "layer_ops": (True, True, False),
-    "decode_layer": (True, True, True),
+VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer, tiles for few rows)
+    "eager": (False, False, False, False),
+    "layer_ops": (True, True, False, False),
+    "decode_layer": (True, True, True, False),
+    "decode_layer+tiles": (True, True, True, True),
 }
 
 
@@ -55,7 +58,8 @@ def main():
     slots = torch.tensor([0], dtype=torch.int32)
     model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,))], cache, slots)
     rows = []
-    for name, (packed, fused, layer) in VARIANTS.items():
+    for name, (packed, fused, layer, tiles) in VARIANTS.items():
+        use_tiles(tiles)
         packed_linear.configure(model, packed)
         layer_ops.configure(model, fused, decode_layer=layer)
         for T in [int(t) for t in opts.trees.split(",")]:
@@ -82,6 +86,7 @@ def main():
             for e in prof.key_averages():
                 by_class[classify(e.key)] += e.self_cpu_time_total / opts.iters / 1e3
             row = {"variant": name, "T": T, "wall_ms": round(wall, 1)}
+            row["tiled_rows"] = packed_linear.tiled_rows()
             row.update({k: round(v, 1) for k, v in by_class.most_common()})
             row["python_and_dispatch"] = round(wall - sum(by_class.values()), 1)
             rows.append(row)

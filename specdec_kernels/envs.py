@@ -49,6 +49,13 @@ SPECDEC_PREPACK_WEIGHTS    Whether the decode engine runs the bf16 linear layers
                            weights (``specdec.packed_linear``): ``1`` on, ``0`` off,
                            ``auto`` (default): on where oneDNN supports bf16 (an extra
                            copy of the weights; ~1.4x faster projections at M <= 32).
+SPECDEC_TILED_ROWS         Up to how many rows a prepacked bf16 linear's product
+                           takes the weight's tiles (``tiled_linear``, a GEMV-style
+                           stream) instead of oneDNN: an integer (``0``: never), or
+                           ``auto`` (default): 64 on CPUs with AVX512-BF16 and no AMX
+                           (measured 1.06-1.7x oneDNN at 1-64 rows, on par at 128),
+                           1 with AMX (oneDNN's tiles win from a few rows), 0 without
+                           AVX512-BF16 or when SPECDEC_CPU_ISA caps the kernels below it.
 SPECDEC_LAYER_OPS          Whether the decode engine runs the RMSNorm, RoPE and SwiGLU
                            of bf16 / fp16 models on CPU as specdec's C++ layer ops
                            (``specdec.layer_ops``): ``1`` on, ``0`` off, ``auto``
@@ -81,6 +88,7 @@ if TYPE_CHECKING:
     SPECDEC_COMPILE_MODE: str | None = None
     SPECDEC_PREPACK_WEIGHTS: bool | str = "auto"
     SPECDEC_LAYER_OPS: bool | str = "auto"
+    SPECDEC_TILED_ROWS: int | str = "auto"
     SPECDEC_CACHE_DIR: str = "~/.cache/specdec"
     SPECDEC_TEST_DEVICE: str = "cpu"
     TRITON_INTERPRET: bool = False
@@ -97,6 +105,16 @@ def _tristate(name: str) -> bool | str:
     """ "auto" when unset, empty or "auto"; else a flag (as _flag)."""
     value = os.environ.get(name, "").strip().lower()
     return "auto" if value in ("", "auto") else value != "0"
+
+
+def _count_or_auto(name: str) -> int | str:
+    """ "auto" when unset, empty or "auto"; else an integer >= 0 (ValueError naming name)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if not value.isdigit():
+        raise ValueError(f"{name} must be an integer >= 0 or 'auto', got {value!r}")
+    return int(value)
 
 
 def _str(name: str, default: str | None = None) -> str | None:
@@ -120,6 +138,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "SPECDEC_COMPILE_MODE": lambda: _str("SPECDEC_COMPILE_MODE"),
     "SPECDEC_PREPACK_WEIGHTS": lambda: _tristate("SPECDEC_PREPACK_WEIGHTS"),
     "SPECDEC_LAYER_OPS": lambda: _tristate("SPECDEC_LAYER_OPS"),
+    "SPECDEC_TILED_ROWS": lambda: _count_or_auto("SPECDEC_TILED_ROWS"),
     "SPECDEC_CACHE_DIR": lambda: _str(
         "SPECDEC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec")
     ),

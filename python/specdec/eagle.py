@@ -42,7 +42,7 @@ from .model import (
     rope_cos_sin,
     unpack_rows,
 )
-from .packed_linear import PackedLinear, WeightPack, packed_product
+from .packed_linear import PackedLinear, WeightPack
 
 # official EAGLE key of each fused / renamed parameter of our layer (a submodule of self.layer)
 _LAYER_KEYS = {
@@ -257,9 +257,9 @@ class EagleHead(nn.Module):
         if self.draft_lm_weight is None:
             return self.target.lm_head(hidden).float()
         if isinstance(self.fc, PackedLinear):  # the head's linears run prepacked: this too
-            packed = self._draft_lm_pack.get(self.draft_lm_weight, hidden)
-            if packed is not None:
-                return packed_product(hidden, packed).float()
+            logits = self._draft_lm_pack.product(self.draft_lm_weight, hidden)
+            if logits is not None:
+                return logits.float()
         return F.linear(hidden, self.draft_lm_weight).float()
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:

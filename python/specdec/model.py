@@ -26,7 +26,7 @@ from specdec_kernels.reference import rms_norm, rope_qkv, silu_and_mul
 
 from .cache import PagedKVCache
 from .config import ModelArgs
-from .packed_linear import PackedLinear
+from .packed_linear import PackedLinear, tiled_rows
 
 # A custom attention (q [B, T, Hq, D], k, v [B, T, Hkv, D]) -> [B, T, Hq, D], used instead of
 # AttentionMetadata by differentiable training passes (train.head_train_forward).
@@ -395,7 +395,8 @@ class TransformerBlock(nn.Module):
         step at one thread). The key holds what they derive from, read straight from the
         modules' dicts: the submodules and their classes, every parameter's identity, storage
         and version (an in-place update, load_state_dict, a new Parameter or a PackedLinear
-        conversion rebuild them, and WeightPack repacks), eps and the layer ops flag."""
+        conversion rebuild them, and WeightPack repacks), eps, the layer ops flag and whether
+        x's rows take the weights' tiles or oneDNN's layout (packed_linear.uses_tiles)."""
         modules: dict[str, Any] = self._modules
         attn, ff = modules["attention"], modules["feed_forward"]
         norms = (modules["attention_norm"], modules["ffn_norm"])
@@ -405,6 +406,7 @@ class TransformerBlock(nn.Module):
         params = [p for m in norms + linears for p in m._parameters.values() if p is not None]
         key = (
             x.dtype,
+            x.numel() // x.shape[-1] <= tiled_rows(),
             attn.layer_ops,
             tuple(map(type, norms + linears)),
             tuple(map(id, norms + linears)),

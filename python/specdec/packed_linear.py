@@ -1,14 +1,19 @@
-"""Weights laid out for decode: the model's bf16 linear layers run through oneDNN with their
-weights reordered once ("prepacked") into its blocked layout, instead of F.linear, which
-reorders the weight on every call.
+"""Weights laid out for decode: the model's bf16 linear layers run over copies of their
+weights laid out once ("prepacked"), instead of F.linear, which reorders the weight on every
+call. Two layouts, each made on first use:
 
-At decode sizes (M = 1..64 rows) a CPU forward is a stream over the weights; F.linear in bf16
-spends much of each call re-laying out the weight. Measured on this project's CPU (AVX512-BF16,
-AMX; benchmarks/RESULTS.md, session 6): all 30 layers' projections of SmolLM2-135M plus its
-49 152-row lm_head take ~36 ms per token through F.linear, ~26 ms prepacked, ~24 ms with a
-hand-written AVX512-BF16 GEMV (vdpbf16ps) at M = 1, which loses from M = 2 (AMX tiles win);
-so prepacked oneDNN is what runs. Results are bitwise those of F.linear up to M = 32 (the same
-oneDNN kernels, float32 accumulation), within bf16 rounding above.
+  * tiles (specdec_kernels.pack_linear_tiles, torch.ops.specdec.tiled_linear) for products of
+    up to tiled_rows() rows: one front-to-back stream over the weight, 16 outputs x 2 inputs
+    per 64-byte load, up to 6 rows per pass (csrc/cpu/tiled_linear.cpp);
+  * oneDNN's blocked layout (mkldnn._reorder_linear_weight) for wider products.
+
+At decode sizes (M = 1..64 rows) a CPU forward is a stream over the weights. Measured
+(benchmarks/RESULTS.md): on an Intel Xeon with AMX (session 6) the 121 linears of a
+SmolLM2-135M step take ~36 ms per token through F.linear and ~26 ms prepacked in oneDNN, whose
+AMX kernels win from M = 2; on an AMD EPYC without AMX (session 10) oneDNN streams ~10 GB/s at
+M = 1 and the tiles ~23-30 GB/s: 1.6-1.7x at 1-2 rows, 1.06x at 64, on par at 128. oneDNN's
+results are bitwise those of F.linear up to M = 32; the tiles' are float32 sums in another
+order (within bf16 rounding of them), the same for a row whatever the other rows.
 
 `configure(module)` turns every plain nn.Linear of a module (not subclasses with a forward of
 their own, such as tp.RowParallelLinear) into a PackedLinear in place (the class is switched:
@@ -18,11 +23,13 @@ The packed copy is an extra copy of the weights (the original stays for training
 tensor-parallel slicing); a weight changed in place is repacked at its next call.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_kernels import envs
+from specdec_kernels import envs, ops
 
 from .device_memory import free_memory
 
@@ -32,17 +39,38 @@ def _supported() -> bool:
     return bool(mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def _auto_tiled_rows(isa_cap: str | None) -> int:
+    """SPECDEC_TILED_ROWS=auto for this CPU (see envs.py)."""
+    capability: dict = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
+    if not capability.get("avx512_bf16") or isa_cap not in (None, "", "avx512bf16"):
+        return 0  # the tiles' portable builds are unmeasured against oneDNN
+    return 1 if capability.get("amx_bf16") else 64
+
+
+def tiled_rows() -> int:
+    """Most rows of a product that takes the tiles (SPECDEC_TILED_ROWS; 0: never)."""
+    setting = envs.SPECDEC_TILED_ROWS
+    return _auto_tiled_rows(envs.SPECDEC_CPU_ISA) if setting == "auto" else int(setting)
+
+
+def uses_tiles(rows: int, in_features: int) -> bool:
+    """Whether a product of `rows` rows over an [out, in_features] weight takes its tiles."""
+    return rows <= tiled_rows() and in_features % 2 == 0
+
+
 class WeightPack:
-    """A oneDNN-prepacked copy of one bf16 weight [out_features, in_features], packed on first
-    use and again whenever the weight changes (new storage, or an in-place change)."""
+    """Copies of one bf16 weight [out_features, in_features] laid out for decode (tiles for
+    few rows, oneDNN's for more), each made on first use and all dropped whenever the weight
+    changes (new storage, or an in-place change)."""
 
     def __init__(self) -> None:
-        self._packed: Tensor | None = None
-        self._key: tuple = ()  # (data_ptr, version) of the weight it was packed from
+        self._packed: dict[str, Tensor] = {}  # "tiles" / "onednn" -> the copy
+        self._key: tuple = ()  # (data_ptr, version) of the weight they were made from
 
     def get(self, weight: Tensor, x: Tensor) -> Tensor | None:
-        """The packed copy of weight when a product with x should take it (bf16 on CPU, no
-        autograd, not under torch.compile), else None."""
+        """The copy of weight a product with x should take (bf16 on CPU, no autograd, not
+        under torch.compile): tiles (4-D) or oneDNN's (2-D), else None."""
         if (
             weight.dtype != torch.bfloat16
             or x.dtype != torch.bfloat16
@@ -54,16 +82,35 @@ class WeightPack:
         # a new tensor (load_state_dict's copy_ bumps the version; a new dtype, device or
         # shape is new storage) or an in-place change: repack
         key = (weight.data_ptr(), weight._version)
-        if self._packed is None or key != self._key:
-            # batch-size hint 1: measured as good as the exact M for M = 1..512 (RESULTS.md)
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-            self._key = key
-        return self._packed
+        if key != self._key:
+            self._packed, self._key = {}, key
+        rows = x.numel() // max(x.shape[-1], 1)
+        layout = "tiles" if uses_tiles(rows, weight.shape[1]) else "onednn"
+        packed = self._packed.get(layout)
+        if packed is None:
+            if layout == "tiles":
+                packed = ops.pack_linear_tiles(weight.detach())
+            else:  # batch-size hint 1: as good as the exact M for M = 1..512 (RESULTS.md)
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            self._packed[layout] = packed
+        return packed
+
+    def product(self, weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor | None:
+        """x: [..., in_features] @ weight^T (+ bias) over its copy (see get), else None."""
+        packed = self.get(weight, x)
+        return None if packed is None else packed_product(x, packed, bias, weight.shape[0])
 
 
-def packed_product(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x: [..., in_features] @ a WeightPack's packed weight (+ bias) -> [..., out_features]."""
+def packed_product(
+    x: Tensor, packed: Tensor, bias: Tensor | None = None, out_features: int | None = None
+) -> Tensor:
+    """x: [..., in_features] @ a WeightPack's copy of an [out_features, in_features] weight
+    (+ bias) -> [..., out_features]. out_features: needed for tiles (they pad the outputs)."""
     bias = None if bias is None else bias.detach()
+    if packed.dim() == 4 and not packed.is_mkldnn:
+        if out_features is None:
+            raise ValueError("packed_product over tiles needs out_features")
+        return torch.ops.specdec.tiled_linear(x, packed, out_features, bias)
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -91,16 +138,14 @@ class PackedLinear(nn.Linear):
         return self
 
     def packed_weight(self, x: Tensor) -> Tensor | None:
-        """The prepacked weight (packed now if the weight changed) when forward(x) takes the
-        packed path, else None."""
+        """The prepacked copy (tiles or oneDNN's; made now if the weight changed) forward(x)
+        takes, else None."""
         return self._pack.get(self.weight, x)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [..., in_features] -> [..., out_features]."""
-        packed = self.packed_weight(x)
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return packed_product(x, packed, self.bias)
+        y = self._pack.product(self.weight, x, self.bias)
+        return F.linear(x, self.weight, self.bias) if y is None else y
 
 
 _PLAIN = (nn.Linear, PackedLinear)
@@ -115,7 +160,7 @@ def _plain_linears(module: nn.Module) -> list[nn.Linear]:
 def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
     """Whether module's linears should be prepacked. setting: True / False, or None / "auto":
     SPECDEC_PREPACK_WEIGHTS ("auto" when unset): on for bf16 weights on a CPU whose oneDNN
-    supports bf16, when the packed copy takes at most half the memory still available."""
+    supports bf16, when the packed copies take at most half the memory still available."""
     if setting is None:
         setting = envs.SPECDEC_PREPACK_WEIGHTS
     if setting is False or not _supported():
@@ -123,8 +168,9 @@ def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
     weights = [m.weight for m in _plain_linears(module)]
     if not weights or any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights):
         return False
-    if setting == "auto":  # the packed copy must not crowd out the KV caches
-        copy_bytes = sum({w.data_ptr(): w.nbytes for w in weights}.values())
+    if setting == "auto":  # the packed copies must not crowd out the KV caches
+        copies = 2 if tiled_rows() > 0 else 1  # tiles and oneDNN's
+        copy_bytes = copies * sum({w.data_ptr(): w.nbytes for w in weights}.values())
         free = free_memory(torch.device("cpu"))
         return free is None or copy_bytes <= free // 2
     return True

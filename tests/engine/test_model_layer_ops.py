@@ -90,15 +90,41 @@ def count_decode_layer_calls(monkeypatch):
     return calls
 
 
+def record_weight_layouts(monkeypatch):
+    """-> a list that records the layout of the wqkv weight of each decode_layer call."""
+    layouts = []
+    op = torch.ops.specdec.decode_layer
+
+    def recorded(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, *args):
+        layouts.append("onednn" if wqkv.is_mkldnn else "tiles" if wqkv.dim() == 4 else "plain")
+        return op(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, *args)
+
+    monkeypatch.setattr(torch.ops.specdec, "decode_layer", recorded)
+    return layouts
+
+
+def prepack_as(model, layout, monkeypatch):
+    """Prepacks model's linears in one layout ("tiles": every product over the tiles;
+    "onednn": none), or not at all (None)."""
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "1000" if layout == "tiles" else "0")
+    packed_linear.configure(model, layout is not None)
+
+
 @pytest.mark.parametrize(
-    "dtype,prepack", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, False)]
+    "dtype,layout",
+    [
+        (torch.bfloat16, "tiles"),
+        (torch.bfloat16, "onednn"),
+        (torch.bfloat16, None),
+        (torch.float16, None),
+    ],
 )
-def test_decode_layer_bitwise_the_modules(dtype, prepack, monkeypatch):
+def test_decode_layer_bitwise_the_modules(dtype, layout, monkeypatch):
     """Verify forwards (padded trees of 4 and 2 nodes: packed rows; then full trees) with each
     block as one decode_layer call equal the modules' outputs and cache bit for bit."""
     calls = count_decode_layer_calls(monkeypatch)
     model = tiny_model(layer_scale=1.0, seed=1).to(dtype)
-    packed_linear.configure(model, prepack)
+    prepack_as(model, layout, monkeypatch)
     outs = []
     for on in (False, True):
         layer_ops.configure(model, True, decode_layer=on)
@@ -119,16 +145,19 @@ def test_decode_layer_bitwise_the_modules(dtype, prepack, monkeypatch):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("prepack", [True, False])
-@pytest.mark.parametrize("change", ["in_place", "new_parameter", "load_state_dict", "eps", "off"])
-def test_decode_layer_sees_changes_after_a_step(prepack, change, monkeypatch):
+@pytest.mark.parametrize("layout", ["tiles", "onednn", None])
+@pytest.mark.parametrize(
+    "change", ["in_place", "new_parameter", "load_state_dict", "eps", "off", "layout"]
+)
+def test_decode_layer_sees_changes_after_a_step(layout, change, monkeypatch):
     """decode_layer's arguments are cached per block between steps: a change to the modules
     made after a step (weights updated in place, a new Parameter, load_state_dict, eps, the
-    layer ops switched off) must show in the next step, bitwise as the modules compute it."""
+    layer ops switched off, the rows moving to the other weight layout) must show in the
+    next step, bitwise as the modules compute it."""
     calls = count_decode_layer_calls(monkeypatch)
     model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
     other = tiny_model(layer_scale=1.0, seed=2).to(torch.bfloat16)
-    packed_linear.configure(model, prepack)
+    prepack_as(model, layout, monkeypatch)
     layer_ops.configure(model, True)
     torch.manual_seed(0)
     cache, slots, prompts, args = verify_inputs(model)
@@ -144,11 +173,16 @@ def test_decode_layer_sees_changes_after_a_step(prepack, change, monkeypatch):
             model.load_state_dict(other.state_dict())
         elif change == "eps":
             block.attention_norm.eps = block.ffn_norm.eps = 100.0  # large: changes the outputs
+        elif change == "layout":  # the same rows now take the other layout
+            monkeypatch.setenv("SPECDEC_TILED_ROWS", "0" if layout == "tiles" else "1000")
         else:
             layer_ops.configure(model, False)
     calls.clear()
+    layouts = record_weight_layouts(monkeypatch)
     cached = model.forward(*args)
     assert calls == [change != "off"] * len(model.layers)
+    if change == "layout":  # (the tiny model's sums often round alike in both layouts)
+        assert set(layouts) == {{"tiles": "onednn", "onednn": "tiles", None: "plain"}[layout]}
     for b in model.layers:  # the same step from the modules
         b.layer_ops = False
     expected = model.forward(*args)

@@ -1,5 +1,7 @@
-"""Prepacked bf16 linears (specdec.packed_linear): the same numbers as F.linear, a weight
-changed in place is repacked, training and other dtypes untouched, the engine's switch."""
+"""Prepacked bf16 linears (specdec.packed_linear): oneDNN's copy gives the same numbers as
+F.linear, the tiles' float32 sums within rounding of float64 and row by row the same whatever
+the other rows; the layout chosen by rows (SPECDEC_TILED_ROWS), a weight changed in place is
+repacked, training and other dtypes untouched, the engine's switch."""
 
 import copy
 
@@ -27,37 +29,113 @@ def linear(in_features, out_features, bias, seed=0):
     return lin
 
 
+def reference_product(x, lin):
+    bias = None if lin.bias is None else lin.bias.double()
+    return F.linear(x.double(), lin.weight.double(), bias)
+
+
 @needs_bf16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 16, 32, 200])
-def test_same_as_f_linear(bias, rows):
+def test_onednn_same_as_f_linear(bias, rows, monkeypatch):
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "0")
     lin = linear(96, 160, bias)
     x = torch.randn(2, rows, 96).to(torch.bfloat16)
     want = F.linear(x, lin.weight, lin.bias)
     packed = PackedLinear.convert(copy.deepcopy(lin))
     with torch.no_grad():
         got = packed(x)
-    assert packed._pack._packed is not None  # the packed path ran
+    assert list(packed._pack._packed) == ["onednn"]  # the packed path ran
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     if rows <= 32:  # the same oneDNN kernels as F.linear: bitwise
         assert torch.equal(got, want)
     else:  # float32 accumulation either way; may round differently
-        ref = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)
+        ref = reference_product(x, lin)
         assert (got.double() - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
 @needs_bf16
-def test_weight_changed_in_place_is_repacked():
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+def test_tiles_within_rounding_and_row_independent(bias, rows, monkeypatch):
+    """Up to SPECDEC_TILED_ROWS rows take the tiles: float32 sums of the bf16 products, one
+    rounding (so within an ulp of bf16 of float64 but for the float32 sum's error), and each
+    row bitwise what it gives alone (a tree's node the same as a plain step's token)."""
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "64")
+    lin = PackedLinear.convert(linear(96, 160, bias))  # 160 = 2.5 tiles: a padded last tile
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        got = lin(x)
+        alone = torch.cat([lin(x[r : r + 1]) for r in range(rows)])
+    assert list(lin._pack._packed) == ["tiles"]
+    assert torch.equal(got, alone)
+    ref = reference_product(x, lin)
+    bound = 2**-8 * ref.abs() + 1e-5 * (x.double().abs() @ lin.weight.double().abs().T)
+    assert ((got.double() - ref).abs() <= bound).all()
+
+
+@needs_bf16
+def test_layout_by_rows(monkeypatch):
+    """SPECDEC_TILED_ROWS=4: up to 4 rows take the tiles, more oneDNN's copy; both are kept,
+    and both are dropped when the weight changes. Odd in_features never take tiles."""
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "4")
+    lin = PackedLinear.convert(linear(64, 48, False))
+    with torch.no_grad():
+        lin(torch.randn(2, 2, 64).to(torch.bfloat16))  # 4 rows
+        assert list(lin._pack._packed) == ["tiles"]
+        lin(torch.randn(5, 64).to(torch.bfloat16))
+        assert sorted(lin._pack._packed) == ["onednn", "tiles"]
+        assert lin.packed_weight(torch.randn(3, 64).to(torch.bfloat16)).dim() == 4
+        lin.weight.add_(1)
+        lin(torch.randn(5, 64).to(torch.bfloat16))
+        assert list(lin._pack._packed) == ["onednn"]
+        odd = PackedLinear.convert(linear(63, 48, False))
+        odd(torch.randn(1, 63).to(torch.bfloat16))
+        assert list(odd._pack._packed) == ["onednn"]
+
+
+def test_tiled_rows_setting(monkeypatch):
+    """SPECDEC_TILED_ROWS: an integer, or auto by the CPU: 64 with AVX512-BF16 and no AMX, 1
+    with AMX, 0 without AVX512-BF16 or under a lower SPECDEC_CPU_ISA cap."""
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "12")
+    assert packed_linear.tiled_rows() == 12
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "lots")
+    with pytest.raises(ValueError, match="SPECDEC_TILED_ROWS"):
+        packed_linear.tiled_rows()
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "auto")
+    for capability, cap, want in [
+        ({"avx512_bf16": True, "amx_bf16": False}, None, 64),
+        ({"avx512_bf16": True, "amx_bf16": True}, None, 1),
+        ({"avx512_bf16": False}, None, 0),
+        ({"avx512_bf16": True, "amx_bf16": False}, "avx2", 0),
+    ]:
+        monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda c=capability: c)
+        if cap is None:
+            monkeypatch.delenv("SPECDEC_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("SPECDEC_CPU_ISA", cap)
+        packed_linear._auto_tiled_rows.cache_clear()
+        assert packed_linear.tiled_rows() == want
+    packed_linear._auto_tiled_rows.cache_clear()
+
+
+@needs_bf16
+@pytest.mark.parametrize("tiled_rows", ["0", "64"])
+def test_weight_changed_in_place_is_repacked(tiled_rows, monkeypatch):
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", tiled_rows)
     lin = PackedLinear.convert(linear(64, 48, False))
     x = torch.randn(4, 64).to(torch.bfloat16)
+    fresh = PackedLinear.convert(linear(64, 48, False))  # packs each weight anew
     with torch.no_grad():
         before = lin(x)
         lin.weight.mul_(-2)  # a stale packed copy would return `before`
         after = lin(x)
-        want_after = F.linear(x, lin.weight)
+        fresh.weight.copy_(lin.weight)
+        want_after = fresh(x)
         lin.weight.copy_(torch.randn(48, 64).to(torch.bfloat16))  # load_state_dict does this
         reloaded = lin(x)
-        want_reloaded = F.linear(x, lin.weight)
+        fresh.weight.copy_(lin.weight)
+        want_reloaded = fresh(x)
     assert not torch.equal(after, before)
     assert torch.equal(after, want_after)
     assert torch.equal(reloaded, want_reloaded)
@@ -69,11 +147,11 @@ def test_training_and_other_dtypes_take_f_linear():
     x = torch.randn(3, 32).to(torch.bfloat16)
     y = lin(x)  # grad mode, weight requires grad: autograd as nn.Linear
     y.float().sum().backward()
-    assert lin.weight.grad is not None and lin._pack._packed is None
+    assert lin.weight.grad is not None and not lin._pack._packed
     lin32 = PackedLinear.convert(nn.Linear(32, 16))
     with torch.no_grad():
         out = lin32(torch.randn(3, 32))
-    assert out.dtype == torch.float32 and lin32._pack._packed is None
+    assert out.dtype == torch.float32 and not lin32._pack._packed
 
 
 def test_configure_switch_and_state_dict(monkeypatch):
@@ -101,8 +179,10 @@ def test_configure_switch_and_state_dict(monkeypatch):
 @needs_bf16
 @pytest.mark.parametrize("tree", ["chain:1", "dynamic:4,3,10"])
 def test_engine_bf16_same_tokens_packed_or_not(tree, monkeypatch):
-    """The engine packs a bf16 target and its EAGLE head by default; at these sizes (M <= 32
-    rows per matmul) the numbers are bitwise those of F.linear, so the tokens are too."""
+    """The engine packs a bf16 target and its EAGLE head by default; in oneDNN's layout at these
+    sizes (M <= 32 rows per matmul) the numbers are bitwise those of F.linear, so the tokens
+    are too."""
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "0")
     outs = []
     for setting in ("0", "1"):
         tokens, model, head = bf16_run(tree, monkeypatch, SPECDEC_PREPACK_WEIGHTS=setting)
@@ -127,22 +207,32 @@ def test_subclasses_with_their_own_forward_are_left_alone():
 
 
 @needs_bf16
+@pytest.mark.parametrize("layout", ["onednn", "tiles"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_eagle_draft_lm_head_runs_prepacked(rows):
+def test_eagle_draft_lm_head_runs_prepacked(rows, layout, monkeypatch):
     """An EAGLE-2 head with a draft vocabulary drafts through its own copy of the lm_head
-    rows: prepacked once the head's linears are (decode_path), bitwise F.linear's logits."""
+    rows: prepacked once the head's linears are (decode_path): oneDNN's bitwise F.linear's
+    logits, the tiles' as tiled_linear computes them."""
     from specdec import decode_path
     from specdec.eagle import EagleHead
+    from specdec_kernels import ops
 
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "64" if layout == "tiles" else "0")
     target = tiny_model().to(torch.bfloat16)
     head = EagleHead.random(target, seed=1).set_draft_vocab(torch.arange(0, 32, 3))
     hidden = torch.randn(2, rows, target.args.dim).to(torch.bfloat16)
     with torch.no_grad():
         plain = head.draft_logits(hidden)
-        assert head._draft_lm_pack._packed is None  # plain linears: F.linear
+        assert not head._draft_lm_pack._packed  # plain linears: F.linear
         decode_path.configure(head)
         assert isinstance(head.fc, PackedLinear)
         packed = head.draft_logits(hidden)
-    assert head._draft_lm_pack._packed is not None
-    want = F.linear(hidden, head.draft_lm_weight).float()
-    assert torch.equal(plain, want) and torch.equal(packed, want)
+    assert list(head._draft_lm_pack._packed) == [layout]
+    weight = head.draft_lm_weight
+    want = F.linear(hidden, weight).float()
+    assert torch.equal(plain, want)
+    if layout == "onednn":
+        assert torch.equal(packed, want)
+    else:
+        tiles = ops.pack_linear_tiles(weight)
+        assert torch.equal(packed, ops.tiled_linear(hidden, tiles, weight.shape[0]).float())
