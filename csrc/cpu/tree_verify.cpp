@@ -19,7 +19,9 @@
 // compiled for AVX-512 (W = 16), for AVX2 + FMA (W = 8) and for the baseline ISA (W = 4, SSE2
 // on x86-64). bfloat16 inputs on a CPU with AVX512-BF16 take a fourth build that multiplies
 // bf16 pairs with vdpbf16ps (float accumulation; the probabilities are rounded to bf16 for
-// P V, as flash attention kernels do). The best build the CPU runs is picked at run time
+// P V, as flash attention kernels do); so does the few-rows kernel (a plain step's and a
+// small tree's <= 8 rows per KV head: lanes over head dims) for head dims a multiple of 32,
+// reading the cache's bf16 rows in place. The best build the CPU runs is picked at run time
 // (pick_attend); the dtype with SPECDEC_DISPATCH_FLOAT_DTYPE (dispatch.h).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -104,6 +106,7 @@ struct Problem {
   int64_t T, Hq, Hkv, D;
   int64_t group_size;   // query heads per KV head: Hq / Hkv
   int64_t block_size;   // positions per cache block
+  int block_shift;      // log2(block_size) when a power of two, else -1
   int64_t max_blocks;   // block table entries per request
   int64_t mask_words;   // 64-bit words per tree_mask row: ceil(T / 64)
   int64_t num_splits;   // position splits per request
@@ -117,9 +120,13 @@ struct Problem {
   int64_t rows(int64_t b) const { return int64_t(num_nodes[b]) * group_size; }
   int64_t length(int64_t b) const { return int64_t(cache_lens[b]) + num_nodes[b]; }
   // Offset of (logical position pos of request b, KV head h) in a cache with these strides.
+  // (A power-of-two block size takes a shift and a mask: a 64-bit division per K / V row was
+  // most of the few-rows kernels' time.)
   int64_t kv_offset(const int64_t* stride, int64_t b, int64_t pos, int64_t h) const {
-    const int64_t blk = block_table[b * max_blocks + pos / block_size];
-    return blk * stride[0] + (pos % block_size) * stride[1] + h * stride[2];
+    const int64_t entry = block_shift >= 0 ? pos >> block_shift : pos / block_size;
+    const int64_t in_block = block_shift >= 0 ? pos & (block_size - 1) : pos % block_size;
+    const int64_t blk = block_table[b * max_blocks + entry];
+    return blk * stride[0] + in_block * stride[1] + h * stride[2];
   }
   const scalar_t* k_row(int64_t b, int64_t pos, int64_t h) const {
     return k + kv_offset(k_stride, b, pos, h);
@@ -363,6 +370,37 @@ SPECDEC_INLINE float reduce_add(typename Simd<W>::f v) {
   }
 }
 
+// The tree mask and the online softmax of one key tile for the M (<= kFewRows) rows of the
+// few-rows kernels: sc [M, kTile] scores (base 2, scaled) -> probabilities relative to the
+// updated running max mx; l updated; alpha[m]: how much row m's output must be rescaled.
+template <int W, typename scalar_t>
+SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int64_t M, int64_t b,
+                                     int64_t p, int64_t nt, float* mx, float* l, float* alpha) {
+  using vfloat = typename Simd<W>::f;
+  const int64_t c = P.cache_lens[b];
+  for (int64_t m = 0; m < M; ++m) {
+    float* sm = sc + m * kTile;
+    const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group_size) * P.mask_words;
+    for (int64_t j = std::max<int64_t>(0, c - p); j < nt; ++j) {  // tree columns
+      const int64_t node = p + j - c;
+      if (!((bits[node / 64] >> (node % 64)) & 1)) sm[j] = kNegInf;
+    }
+    float m_new = mx[m];
+    for (int64_t j = 0; j < nt; ++j) m_new = std::max(m_new, sm[j]);
+    // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
+    const float sub = m_new == kNegInf ? 0.f : m_new;
+    float sum = 0.f;
+    for (int64_t j = 0; j < nt; j += W) {  // sc rows are kTile long: whole vectors
+      const vfloat e = exp2_nonpos<W>(load<W>(sm + j) - sub);
+      store(sm + j, e);
+      for (int64_t i = 0; i < W && j + i < nt; ++i) sum += e[i];
+    }
+    alpha[m] = exp2_nonpos<W>(splat<W>(mx[m] - sub))[0];
+    l[m] = l[m] * alpha[m] + sum;
+    mx[m] = m_new;
+  }
+}
+
 template <int W, typename scalar_t>
 SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
                                int64_t s) {
@@ -383,7 +421,6 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
     l[m] = 0.f;
   }
   for (int64_t d = D; d < Dw; ++d) row[d] = 0.f;
-  const int64_t c = P.cache_lens[b];
   const auto [p0, p1] = P.split_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p);
@@ -397,27 +434,12 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
         sc[m * kTile + j] = reduce_add<W>(acc);
       }
     }
+    float alpha[kFewRows];
+    few_rows_softmax<W>(P, sc, M, b, p, nt, mx, l, alpha);
     for (int64_t m = 0; m < M; ++m) {
-      float* sm = sc + m * kTile;
-      const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group_size) * P.mask_words;
-      for (int64_t j = std::max<int64_t>(0, c - p); j < nt; ++j) {  // tree columns
-        const int64_t node = p + j - c;
-        if (!((bits[node / 64] >> (node % 64)) & 1)) sm[j] = kNegInf;
+      for (int64_t d = 0; d < Dw; d += W) {
+        store(o + m * Dw + d, load<W>(o + m * Dw + d) * alpha[m]);
       }
-      float m_new = mx[m];
-      for (int64_t j = 0; j < nt; ++j) m_new = std::max(m_new, sm[j]);
-      // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
-      const float sub = m_new == kNegInf ? 0.f : m_new;
-      float sum = 0.f;
-      for (int64_t j = 0; j < nt; j += W) {  // sc rows are kTile long: whole vectors
-        const vfloat e = exp2_nonpos<W>(load<W>(sm + j) - sub);
-        store(sm + j, e);
-        for (int64_t i = 0; i < W && j + i < nt; ++i) sum += e[i];
-      }
-      const float alpha = exp2_nonpos<W>(splat<W>(mx[m] - sub))[0];
-      l[m] = l[m] * alpha + sum;
-      mx[m] = m_new;
-      for (int64_t d = 0; d < Dw; d += W) store(o + m * Dw + d, load<W>(o + m * Dw + d) * alpha);
     }
     for (int64_t j = 0; j < nt; ++j) {
       const scalar_t* vr = P.v_row(b, p + j, h);
@@ -561,6 +583,71 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
   }
 }
 
+// The few-rows kernel's AVX512-BF16 build, for head dims a multiple of 32 (the cache's bf16
+// rows are read in place, no conversion): a score is vdpbf16ps of the K row's pairs with the
+// query row's (float sums of exact products; the scale applied to the sum), one horizontal
+// sum each; a V row is widened to float 16 head dims at a time and added to the ROWS rows'
+// outputs, kept in registers across the tile. Same softmax and hand-off as attend_few.
+template <int ROWS>
+SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, Workspace& ws,
+                                              int64_t b, int64_t h, int64_t s) {
+  const int64_t D = P.D, Mp = P.Mp, chunks = D / 32;
+  __m512i q[ROWS][kFewMaxD / 32];               // the query rows' bf16 pairs
+  alignas(64) float o[ROWS * kFewMaxD];         // [ROWS, D] unnormalised output
+  alignas(64) float sc[kFewRows * kTile] = {};  // [ROWS, kTile] scores, then probabilities
+  const uint16_t* k_rows[kTile];
+  const uint16_t* v_rows[kTile];
+  float mx[kFewRows], l[kFewRows], alpha[kFewRows];
+  for (int m = 0; m < ROWS; ++m) {
+    const auto* src = reinterpret_cast<const uint16_t*>(P.q_row(b, h, m));
+    for (int64_t i = 0; i < chunks; ++i) q[m][i] = _mm512_loadu_si512(src + 32 * i);
+    std::fill(o + m * D, o + (m + 1) * D, 0.f);
+    mx[m] = kNegInf;
+    l[m] = 0.f;
+  }
+  const __m512 scale = _mm512_set1_ps(P.scale);
+  const auto [p0, p1] = P.split_range(b, s);
+  for (int64_t p = p0; p < p1; p += kTile) {
+    const int64_t nt = std::min(kTile, p1 - p);
+    prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
+    for (int64_t j = 0; j < nt; ++j) {
+      k_rows[j] = reinterpret_cast<const uint16_t*>(P.k_row(b, p + j, h));
+      v_rows[j] = reinterpret_cast<const uint16_t*>(P.v_row(b, p + j, h));
+    }
+    for (int64_t j = 0; j < nt; ++j) {
+      __m512 acc[ROWS];
+      for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < chunks; ++i) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(k_rows[j] + 32 * i);
+        for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], kv, (__m512bh)q[m][i]);
+      }
+      for (int m = 0; m < ROWS; ++m) {
+        sc[m * kTile + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[m], scale));
+      }
+    }
+    few_rows_softmax<16>(P, sc, ROWS, b, p, nt, mx, l, alpha);
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 acc[ROWS];
+      for (int m = 0; m < ROWS; ++m) {
+        acc[m] = _mm512_mul_ps(_mm512_loadu_ps(o + m * D + d), _mm512_set1_ps(alpha[m]));
+      }
+      for (int64_t j = 0; j < nt; ++j) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[j] + d));
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        for (int m = 0; m < ROWS; ++m) {
+          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(sc[m * kTile + j]), v, acc[m]);
+        }
+      }
+      for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(o + m * D + d, acc[m]);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {  // the panel kernels' layout: o^T [Dp, Mp]
+    for (int64_t d = 0; d < D; ++d) ws.ot[d * Mp + m] = o[m * D + d];
+    ws.mx[m] = mx[m];
+    ws.l[m] = l[m];
+  }
+}
+
 // ---------------------------------------------------------------- dispatch
 template <typename scalar_t>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_avx512(
@@ -601,10 +688,38 @@ void attend_few_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, i
 template <typename scalar_t>
 using AttendFn = void (*)(const Problem<scalar_t>&, Workspace&, int64_t, int64_t, int64_t);
 
+// The AVX512-BF16 few-rows kernel for this task's row count; head dims that are not a
+// multiple of 32 take the AVX-512 build.
+void attend_few_bf16(const Problem<c10::BFloat16>& P, Workspace& ws, int64_t b, int64_t h,
+                     int64_t s) {
+  if (P.D % 32 != 0) return attend_few_avx512<c10::BFloat16>(P, ws, b, h, s);
+  switch (P.rows(b)) {
+    case 1:
+      return attend_few_bf16_rows<1>(P, ws, b, h, s);
+    case 2:
+      return attend_few_bf16_rows<2>(P, ws, b, h, s);
+    case 3:
+      return attend_few_bf16_rows<3>(P, ws, b, h, s);
+    case 4:
+      return attend_few_bf16_rows<4>(P, ws, b, h, s);
+    case 5:
+      return attend_few_bf16_rows<5>(P, ws, b, h, s);
+    case 6:
+      return attend_few_bf16_rows<6>(P, ws, b, h, s);
+    case 7:
+      return attend_few_bf16_rows<7>(P, ws, b, h, s);
+    default:
+      return attend_few_bf16_rows<8>(P, ws, b, h, s);
+  }
+}
+
 // The few-rows kernel for the widest build cpu_isa() allows.
 template <typename scalar_t>
 AttendFn<scalar_t> pick_attend_few() {
   const CpuIsa isa = cpu_isa();
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (isa == CpuIsa::kAvx512Bf16) return &attend_few_bf16;
+  }
   if (isa >= CpuIsa::kAvx512) return &attend_few_avx512<scalar_t>;
   if (isa >= CpuIsa::kAvx2) return &attend_few_avx2<scalar_t>;
   return &attend_few_baseline<scalar_t>;
@@ -632,6 +747,11 @@ void write_rows(const Problem<scalar_t>& P, scalar_t* out, int64_t b, int64_t h,
     scalar_t* dst = out + P.out_offset(b, h, m);
     for (int64_t d = 0; d < P.D; ++d) dst[d] = static_cast<scalar_t>(ot[d * P.Mp + m] * inv);
   }
+}
+
+// log2(block_size) when a power of two, else -1 (Problem::block_shift).
+int block_shift(int64_t block_size) {
+  return (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(uint64_t(block_size)) : -1;
 }
 
 // Number of position splits per request: enough tasks for every thread (x4 for balance),
@@ -736,6 +856,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       D,
                       group_size,
                       k_cache.size(1),
+                      block_shift(k_cache.size(1)),
                       block_table.size(1),
                       tree_mask.size(2),
                       1,
