@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,7 @@
 #include <memory>
 #include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dispatch.h"
@@ -688,29 +690,20 @@ void attend_few_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, i
 template <typename scalar_t>
 using AttendFn = void (*)(const Problem<scalar_t>&, Workspace&, int64_t, int64_t, int64_t);
 
+// attend_few_bf16_rows<1> .. <kFewRows>, by row count - 1.
+template <size_t... I>
+constexpr std::array<AttendFn<c10::BFloat16>, sizeof...(I)> few_bf16_by_rows(
+    std::index_sequence<I...>) {
+  return {&attend_few_bf16_rows<int(I) + 1>...};
+}
+
 // The AVX512-BF16 few-rows kernel for this task's row count; head dims that are not a
 // multiple of 32 take the AVX-512 build.
 void attend_few_bf16(const Problem<c10::BFloat16>& P, Workspace& ws, int64_t b, int64_t h,
                      int64_t s) {
   if (P.D % 32 != 0) return attend_few_avx512<c10::BFloat16>(P, ws, b, h, s);
-  switch (P.rows(b)) {
-    case 1:
-      return attend_few_bf16_rows<1>(P, ws, b, h, s);
-    case 2:
-      return attend_few_bf16_rows<2>(P, ws, b, h, s);
-    case 3:
-      return attend_few_bf16_rows<3>(P, ws, b, h, s);
-    case 4:
-      return attend_few_bf16_rows<4>(P, ws, b, h, s);
-    case 5:
-      return attend_few_bf16_rows<5>(P, ws, b, h, s);
-    case 6:
-      return attend_few_bf16_rows<6>(P, ws, b, h, s);
-    case 7:
-      return attend_few_bf16_rows<7>(P, ws, b, h, s);
-    default:
-      return attend_few_bf16_rows<8>(P, ws, b, h, s);
-  }
+  static constexpr auto kByRows = few_bf16_by_rows(std::make_index_sequence<kFewRows>());
+  kByRows[std::min(P.rows(b), kFewRows) - 1](P, ws, b, h, s);
 }
 
 // The few-rows kernel for the widest build cpu_isa() allows.
