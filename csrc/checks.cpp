@@ -45,10 +45,31 @@ void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* r
               ref.device(), "), got ", t.device());
 }
 
-// Host-side int64 view of a (small) index tensor, for value checks. The values are checked
-// here, in int64, before the kernels narrow them to int32 (as_index): a value that does not
-// fit int32 is rejected by name instead of wrapping around to a valid-looking one.
-at::Tensor host_index(const at::Tensor& t) { return t.to(at::kCPU).to(at::kLong).contiguous(); }
+// The values of a (small) index tensor as int64 on the host, for value checks: contiguous CPU
+// int32 / int64 tensors are read in place (decode_layer checks the step's index tensors in
+// every layer: a copy each was ~10 us per layer), others through a CPU int64 copy. The values
+// are checked here, in int64, before the kernels narrow them to int32 (as_index): a value that
+// does not fit int32 is rejected by name instead of wrapping around to a valid-looking one.
+class HostIndex {
+ public:
+  explicit HostIndex(const at::Tensor& t) {
+    if (t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kInt) {
+      i32_ = t.data_ptr<int32_t>();
+    } else if (t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kLong) {
+      i64_ = t.data_ptr<int64_t>();
+    } else {
+      copy_ = t.to(at::kCPU).to(at::kLong).contiguous();
+      i64_ = copy_.data_ptr<int64_t>();
+    }
+  }
+  // Element i of the values in row-major order.
+  int64_t operator[](int64_t i) const { return i32_ != nullptr ? i32_[i] : i64_[i]; }
+
+ private:
+  at::Tensor copy_;
+  const int32_t* i32_ = nullptr;
+  const int64_t* i64_ = nullptr;
+};
 at::Tensor host_float(const at::Tensor& t) { return t.to(at::kCPU).to(at::kFloat).contiguous(); }
 
 // The kernels keep positions (cache_lens + node) in int32: every position an op touches
@@ -65,18 +86,20 @@ void check_position(int64_t cache_len, int64_t end, int64_t b, const char* end_w
 // before a bad one.
 void check_index_range(const at::Tensor& t, const char* name, int64_t limit, const char* what) {
   if (t.numel() == 0) return;
-  const auto [lo, hi] = at::aminmax(t);
-  const int64_t min = lo.item<int64_t>(), max = hi.item<int64_t>();
+  const HostIndex values(t);
+  int64_t min = values[0], max = values[0];
+  for (int64_t i = 1; i < t.numel(); ++i) {
+    min = std::min(min, values[i]);
+    max = std::max(max, values[i]);
+  }
   TORCH_CHECK(min >= 0 && max < limit, name, " must lie in [0, ", what, " = ", limit,
               "), got values in [", min, ", ", max, "]");
 }
 
 // num_nodes in [1, T], parents[b, 0] == -1, 0 <= parents[b, i] < i for 1 <= i < num_nodes[b].
 void check_tree_values(const at::Tensor& parents, const at::Tensor& num_nodes) {
-  const at::Tensor p = host_index(parents), n = host_index(num_nodes);
-  const int64_t B = p.size(0), T = p.size(1);
-  const int64_t* pp = p.data_ptr<int64_t>();
-  const int64_t* np = n.data_ptr<int64_t>();
+  const HostIndex pp(parents), np(num_nodes);
+  const int64_t B = parents.size(0), T = parents.size(1);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(np[b] >= 1 && np[b] <= T, "num_nodes[", b, "] = ", np[b],
                 " is out of range [1, T = ", T, "]");
@@ -92,12 +115,10 @@ void check_tree_values(const at::Tensor& parents, const at::Tensor& num_nodes) {
 }
 
 // Every logical block that positions [0, end_b) of request b touch is a valid block id.
-void check_block_table_values(const at::Tensor& block_table, const at::Tensor& ends,
+void check_block_table_values(const at::Tensor& block_table, const std::vector<int64_t>& ep,
                               int64_t num_blocks, int64_t block_size, const char* end_what) {
-  const at::Tensor bt = host_index(block_table);
-  const int64_t B = bt.size(0), max_blocks = bt.size(1);
-  const int64_t* btp = bt.data_ptr<int64_t>();
-  const int64_t* ep = ends.data_ptr<int64_t>();
+  const HostIndex btp(block_table);
+  const int64_t B = block_table.size(0), max_blocks = block_table.size(1);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (ep[b] + block_size - 1) / block_size;
     TORCH_CHECK(used <= max_blocks, end_what, " of request ", b, " reaches position ", ep[b],
@@ -281,14 +302,14 @@ void check_tree_verify(const at::Tensor& q, const at::Tensor& k_cache, const at:
     check_same_device(q, t, "q", name);
   }
   if (!values) return;
-  const at::Tensor n = host_index(num_nodes), c = host_index(cache_lens);
-  at::Tensor ends = at::empty({B}, at::kLong);
+  const HostIndex n(num_nodes), c(cache_lens);
+  std::vector<int64_t> ends(B);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t nb = n.data_ptr<int64_t>()[b], cb = c.data_ptr<int64_t>()[b];
+    const int64_t nb = n[b], cb = c[b];
     TORCH_CHECK(nb >= 1 && nb <= T, "num_nodes[", b, "] = ", nb, " is out of range [1, T = ", T,
                 "]");
     check_position(cb, cb + nb, b, "cache_lens + num_nodes");
-    ends.data_ptr<int64_t>()[b] = cb + nb;
+    ends[b] = cb + nb;
   }
   check_block_table_values(block_table, ends, k_cache.size(0), k_cache.size(1),
                            "cache_lens + num_nodes");
@@ -344,21 +365,21 @@ void check_tree_rejection_sample(const at::Tensor& target_logits, const at::Tens
   }
   if (!values) return;
   check_tree_values(parents, num_nodes);
-  const at::Tensor tok = host_index(draft_tokens), n = host_index(num_nodes);
+  const HostIndex tok(draft_tokens), n(num_nodes);
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 1; i < n.data_ptr<int64_t>()[b]; ++i) {
-      const int64_t x = tok.data_ptr<int64_t>()[b * T + i];
+    for (int64_t i = 1; i < n[b]; ++i) {
+      const int64_t x = tok[b * T + i];
       TORCH_CHECK(x >= 0 && x < V, "draft_tokens[", b, ", ", i, "] = ", x,
                   " is out of range [0, V = ", V, ")");
     }
   }
   const at::Tensor temp = host_float(temperature), tp = host_float(top_p);
-  const at::Tensor tk = host_index(top_k);
+  const HostIndex tk(top_k);
   for (int64_t b = 0; b < B; ++b) {
     const float t = temp.data_ptr<float>()[b], p = tp.data_ptr<float>()[b];
     TORCH_CHECK(std::isfinite(t) && t >= 0.f, "temperature[", b, "] = ", t,
                 " must be finite and >= 0 (0 means greedy)");
-    const int64_t k = tk.data_ptr<int64_t>()[b];
+    const int64_t k = tk[b];
     TORCH_CHECK(k >= 0 && k <= kInt32Max, "top_k[", b, "] = ", k,
                 " must be in [0, 2^31 - 1] (0 disables top-k)");
     TORCH_CHECK(p > 0.f && p <= 1.f, "top_p[", b, "] = ", p,
@@ -412,23 +433,22 @@ void check_compact_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
     check_same_device(k_cache, t, "k_cache", name);
   }
   if (!values) return;
-  const at::Tensor a = host_index(accepted_nodes), na = host_index(num_accepted);
-  const at::Tensor c = host_index(cache_lens);
-  at::Tensor ends = at::empty({B}, at::kLong);
+  const HostIndex a(accepted_nodes), na(num_accepted), c(cache_lens);
+  std::vector<int64_t> ends(B);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t nb = na.data_ptr<int64_t>()[b], cb = c.data_ptr<int64_t>()[b];
-    const int64_t* ap = a.data_ptr<int64_t>() + b * T;
+    const int64_t nb = na[b], cb = c[b];
+    const auto ap = [&](int64_t k) { return a[b * T + k]; };
     TORCH_CHECK(nb >= 0 && nb < T, "num_accepted[", b, "] = ", nb,
                 " is out of range [0, T - 1 = ", T - 1, "]");
-    TORCH_CHECK(ap[0] == 0, "accepted_nodes[", b, ", 0] must be 0 (the root), got ", ap[0]);
+    TORCH_CHECK(ap(0) == 0, "accepted_nodes[", b, ", 0] must be 0 (the root), got ", ap(0));
     for (int64_t k = 1; k <= nb; ++k) {
-      TORCH_CHECK(ap[k] > ap[k - 1] && ap[k] < T, "accepted_nodes[", b, ", ", k, "] = ", ap[k],
+      TORCH_CHECK(ap(k) > ap(k - 1) && ap(k) < T, "accepted_nodes[", b, ", ", k, "] = ", ap(k),
                   " is not a valid root path: node ids must increase along the path and stay "
                   "below T = ",
                   T);
     }
-    check_position(cb, cb + ap[nb] + 1, b, "cache_lens + accepted_nodes");
-    ends.data_ptr<int64_t>()[b] = cb + ap[nb] + 1;
+    check_position(cb, cb + ap(nb) + 1, b, "cache_lens + accepted_nodes");
+    ends[b] = cb + ap(nb) + 1;
   }
   const int64_t nd = k_cache.dim();
   check_block_table_values(block_table, ends, k_cache.size(nd - 4), k_cache.size(nd - 3),
