@@ -53,7 +53,7 @@ SPECDEC_TILED_ROWS         Up to how many rows a prepacked bf16 linear's product
                            takes the weight's tiles (``tiled_linear``, a GEMV-style
                            stream) instead of oneDNN: an integer (``0``: never), or
                            ``auto`` (default): 64 on CPUs with AVX512-BF16 and no AMX
-                           (measured 1.06-1.7x oneDNN at 1-64 rows, on par at 128),
+                           (measured 1.05-2.4x oneDNN at 1-64 rows, even at 128),
                            1 with AMX (oneDNN's tiles win from a few rows), 0 without
                            AVX512-BF16 or when SPECDEC_CPU_ISA caps the kernels below it.
 SPECDEC_LAYER_OPS          Whether the decode engine runs the RMSNorm, RoPE and SwiGLU

@@ -2,7 +2,7 @@
 weights laid out once ("prepacked"), instead of F.linear, which reorders the weight on every
 call. Two layouts, each made on first use:
 
-  * tiles (specdec_kernels.pack_linear_tiles, torch.ops.specdec.tiled_linear) for products of
+  * tiles (specdec_kernels.ops.pack_linear_tiles, torch.ops.specdec.tiled_linear) for products of
     up to tiled_rows() rows: one front-to-back stream over the weight, 16 outputs x 2 inputs
     per 64-byte load, up to 6 rows per pass (csrc/cpu/tiled_linear.cpp);
   * oneDNN's blocked layout (mkldnn._reorder_linear_weight) for wider products.
@@ -10,8 +10,8 @@ call. Two layouts, each made on first use:
 At decode sizes (M = 1..64 rows) a CPU forward is a stream over the weights. Measured
 (benchmarks/RESULTS.md): on an Intel Xeon with AMX (session 6) the 121 linears of a
 SmolLM2-135M step take ~36 ms per token through F.linear and ~26 ms prepacked in oneDNN, whose
-AMX kernels win from M = 2; on an AMD EPYC without AMX (session 10) oneDNN streams ~10 GB/s at
-M = 1 and the tiles ~23-30 GB/s: 1.6-1.7x at 1-2 rows, 1.06x at 64, on par at 128. oneDNN's
+AMX kernels win from M = 2; on an AMD EPYC without AMX (session 10) oneDNN streams ~10-16 GB/s
+at M = 1 and the tiles ~21-25 GB/s: 1.5-2.4x at 1-6 rows, 1.05x at 64, even at 128. oneDNN's
 results are bitwise those of F.linear up to M = 32; the tiles' are float32 sums in another
 order (within bf16 rounding of them), the same for a row whatever the other rows.
 
