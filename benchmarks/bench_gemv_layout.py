@@ -14,21 +14,12 @@ layout is now the library op (csrc/cpu/tiled_linear.cpp), which this script time
 
 import argparse
 import statistics
-import time
 
 import torch
 from common import write_json
 
 from specdec_kernels import ops
-
-
-def median_s(f, n=9):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from specdec_kernels.testing import time_fn
 
 
 def step_weights(model) -> list[torch.Tensor]:
@@ -78,8 +69,7 @@ def main():
             times = {name: [] for name in variants}
             for _ in range(opts.rounds):  # interleaved rounds
                 for name, f in variants.items():
-                    f()
-                    times[name].append(median_s(f))
+                    times[name].append(time_fn(f, warmup=1, iters=9))
             row = {"rows": rows, "threads": opts.threads, "weight_mb": round(nbytes / 1e6)}
             for name, ts in times.items():
                 t = statistics.median(ts)

@@ -542,7 +542,7 @@ void check_weight_tiles(const at::Tensor& w, const char* name, int64_t out_featu
 // (whose sizes are the logical shape).
 void check_linear_weight(const at::Tensor& w, const char* name, int64_t out_features,
                          int64_t in_features) {
-  if (w.dim() == 4 && !w.is_mkldnn()) {
+  if (is_weight_tiles(w)) {
     check_weight_tiles(w, name, out_features, in_features);
     return;
   }
@@ -632,15 +632,14 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
   check_linear_weight(wo, "wo", dim, num_q_heads * D);
   // The MLP's hidden size: half w13's out_features, or w2's in_features when w13 is tiles
   // (which pad their output rows; a mismatch is then reported as w13's).
-  const bool w13_tiles = w13.dim() == 4 && !w13.is_mkldnn();
+  const bool w13_tiles = is_weight_tiles(w13);
   if (!w13_tiles) {
     TORCH_CHECK(w13.dim() == 2 && w13.size(0) % 2 == 0 && w13.size(0) >= 2,
                 "w13 must have shape "
                 "[2 * hidden_dim, dim] (gate then up), got ",
                 w13.sizes());
   }
-  const int64_t hidden =
-      w13_tiles ? (w2.dim() == 4 ? 2 * w2.size(1) : w2.size(1)) : w13.size(0) / 2;
+  const int64_t hidden = w13_tiles ? weight_in_features(w2) : w13.size(0) / 2;
   check_linear_weight(w13, "w13", 2 * hidden, dim);
   check_linear_weight(w2, "w2", dim, hidden);
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1,

@@ -59,6 +59,14 @@ void check_rope_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 
 void check_silu_and_mul(const at::Tensor& x);
 
+// A linear weight's layout, as decode_layer takes it: pack_linear_tiles' tiles are 4-D
+// [ceil(out / 64), in / 2, 64, 2]; plain and oneDNN-prepacked weights are 2-D [out, in].
+inline bool is_weight_tiles(const at::Tensor& w) { return !w.is_mkldnn() && w.dim() == 4; }
+// in_features of a linear weight in any of those layouts (exact in each).
+inline int64_t weight_in_features(const at::Tensor& w) {
+  return is_weight_tiles(w) ? 2 * w.size(1) : w.size(1);
+}
+
 // tiled_linear: x [..., K] bf16, weight_tiles the tiles of an [out_features, K] weight
 // (pack_linear_tiles), bias [out_features] bf16.
 void check_tiled_linear(const at::Tensor& x, const at::Tensor& weight_tiles, int64_t out_features,

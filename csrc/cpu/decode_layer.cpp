@@ -19,6 +19,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 
+#include "checks.h"
 #include "ops.h"
 
 namespace specdec {
@@ -30,7 +31,7 @@ namespace {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, bool prepacked, int64_t out_features) {
   if (!prepacked) return at::linear(x, weight, bias);
-  if (!weight.is_mkldnn() && weight.dim() == 4) {
+  if (is_weight_tiles(weight)) {
     // called directly (no dispatch), named for the profiler as oneDNN's call is by its op
     RECORD_FUNCTION("specdec::tiled_linear", std::vector<c10::IValue>());
     return tiled_linear_cpu(x, weight, out_features, bias);
@@ -63,7 +64,7 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& attention_nor
   const int64_t B = x.size(0), M = x.size(1);
   const at::Tensor h = std::get<1>(rms_norm_cpu(x, std::nullopt, attention_norm_weight, eps));
   const int64_t D = cos.size(-1), dim = x.size(-1);
-  const int64_t hidden = w2.dim() == 4 ? 2 * w2.size(1) : w2.size(1);  // w2's in_features
+  const int64_t hidden = weight_in_features(w2);
   const at::Tensor qkv =
       linear(h, wqkv, wqkv_bias, prepacked, (num_q_heads + 2 * num_kv_heads) * D);
   auto [q, k, v] = rope_qkv_cpu(qkv, cos, sin, num_q_heads, num_kv_heads);
