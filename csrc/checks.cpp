@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -568,33 +569,40 @@ void check_tiled_linear(const at::Tensor& x, const at::Tensor& weight_tiles, int
   }
 }
 
-void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_weight,
-                        const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
-                        const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
-                        const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
-                        const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
-                        int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& rows, const std::optional<at::Tensor>& picked,
-                        bool packed, const at::Tensor& block_table, const at::Tensor& cache_lens,
-                        const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale) {
+namespace {
+
+// The names of one layer's weight arguments: decode_layer's own, or for layer i of
+// decode_layers the list entries ("wqkv[3]").
+struct LayerWeightNames {
+  std::string attention_norm_weight, ffn_norm_weight, wqkv, wqkv_bias, wo, w13, w2;
+};
+
+LayerWeightNames layer_weight_names(int64_t layer) {
+  if (layer < 0) {
+    return {"attention_norm_weight", "ffn_norm_weight", "wqkv", "wqkv_bias", "wo", "w13", "w2"};
+  }
+  const std::string at = "[" + std::to_string(layer) + "]";
+  return {"attention_norm_weights" + at,
+          "ffn_norm_weights" + at,
+          "wqkv" + at,
+          "wqkv_bias" + at,
+          "wo" + at,
+          "w13" + at,
+          "w2" + at};
+}
+
+// x, eps, the heads and cos / sin of a step; returns the head dim (from cos: rope rotates
+// pairs; every weight's shape follows from it, dim and the MLP's hidden size, whatever the
+// weights' layouts, as tiles pad their output rows).
+int64_t check_decode_inputs(const at::Tensor& x, double eps, const at::Tensor& cos,
+                            const at::Tensor& sin, int64_t num_q_heads, int64_t num_kv_heads) {
   check_activation(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1,
               "x must be [B, M, dim] with B, M >= 1, got shape ", x.sizes());
-  const int64_t dim = x.size(2);
-  for (const auto& [w, name] :
-       {std::pair<const at::Tensor&, const char*>{attention_norm_weight, "attention_norm_weight"},
-        {ffn_norm_weight, "ffn_norm_weight"}}) {
-    check_same_dtype(w, x, name, "x");
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == dim, name, " must have shape [dim] = [", dim,
-                "], got ", w.sizes());
-  }
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
   TORCH_CHECK(num_q_heads >= 1 && num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0,
               "num_q_heads must be a positive multiple of num_kv_heads >= 1, got ", num_q_heads,
               " and ", num_kv_heads);
-  const int64_t heads = num_q_heads + 2 * num_kv_heads;
-  // The head dim from cos (rope rotates pairs): every weight's shape follows from it, dim and
-  // the MLP's hidden size, whatever the weights' layouts (tiles pad their output rows).
   for (const auto& [t, name] :
        {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
     check_same_dtype(t, x, name, "x");
@@ -604,12 +612,34 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
                 name, " must have shape [B, M, 1, D] = [", x.size(0), ", ", x.size(1),
                 ", 1, D] with D the (even) head dim, got ", t.sizes());
   }
-  const int64_t D = cos.size(3);
-  for (const auto& [w, name] : {std::pair<const at::Tensor&, const char*>{wqkv, "wqkv"},
-                                {wo, "wo"},
-                                {w13, "w13"},
-                                {w2, "w2"}}) {
-    check_same_dtype(w, x, name, "x");
+  return cos.size(3);
+}
+
+// One layer's norm weights and linears (layer < 0: decode_layer's, else decode_layers' entry).
+void check_layer_weights(const at::Tensor& x, int64_t head_dim, int64_t num_q_heads,
+                         int64_t num_kv_heads, bool prepacked,
+                         const std::optional<at::Tensor>& attention_norm_weight,
+                         const at::Tensor& ffn_norm_weight, const at::Tensor& wqkv,
+                         const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                         const at::Tensor& w13, const at::Tensor& w2, int64_t layer) {
+  const LayerWeightNames names = layer_weight_names(layer);
+  const int64_t dim = x.size(2), D = head_dim;
+  const auto check_norm = [&](const at::Tensor& w, const std::string& name) {
+    check_same_dtype(w, x, name.c_str(), "x");
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == dim, name, " must have shape [dim] = [", dim,
+                "], got ", w.sizes());
+  };
+  // no input norm: an EAGLE-1/2 head's layer
+  if (attention_norm_weight.has_value()) {
+    check_norm(*attention_norm_weight, names.attention_norm_weight);
+  }
+  check_norm(ffn_norm_weight, names.ffn_norm_weight);
+  const int64_t heads = num_q_heads + 2 * num_kv_heads;
+  for (const auto& [w, name] : {std::pair<const at::Tensor&, const std::string&>{wqkv, names.wqkv},
+                                {wo, names.wo},
+                                {w13, names.w13},
+                                {w2, names.w2}}) {
+    check_same_dtype(w, x, name.c_str(), "x");
     if (prepacked) {
       TORCH_CHECK(w.is_mkldnn() || w.dim() == 4, name,
                   " must be prepacked (mkldnn._reorder_linear_weight, or pack_linear_tiles) "
@@ -622,26 +652,37 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
                   w.is_mkldnn() ? "a oneDNN-prepacked one" : "shape ", w.sizes());
     }
   }
-  check_linear_weight(wqkv, "wqkv", heads * D, dim);
+  check_linear_weight(wqkv, names.wqkv.c_str(), heads * D, dim);
   if (wqkv_bias.has_value()) {
-    check_same_dtype(*wqkv_bias, x, "wqkv_bias", "x");
-    TORCH_CHECK(wqkv_bias->dim() == 1 && wqkv_bias->size(0) == heads * D,
-                "wqkv_bias must have shape [(num_q_heads + 2 * num_kv_heads) * D] = [", heads * D,
-                "], got ", wqkv_bias->sizes());
+    check_same_dtype(*wqkv_bias, x, names.wqkv_bias.c_str(), "x");
+    TORCH_CHECK(wqkv_bias->dim() == 1 && wqkv_bias->size(0) == heads * D, names.wqkv_bias,
+                " must have shape [(num_q_heads + 2 * num_kv_heads) * D] = [", heads * D, "], got ",
+                wqkv_bias->sizes());
   }
-  check_linear_weight(wo, "wo", dim, num_q_heads * D);
+  check_linear_weight(wo, names.wo.c_str(), dim, num_q_heads * D);
   // The MLP's hidden size: half w13's out_features, or w2's in_features when w13 is tiles
   // (which pad their output rows; a mismatch is then reported as w13's).
   const bool w13_tiles = is_weight_tiles(w13);
   if (!w13_tiles) {
-    TORCH_CHECK(w13.dim() == 2 && w13.size(0) % 2 == 0 && w13.size(0) >= 2,
-                "w13 must have shape "
-                "[2 * hidden_dim, dim] (gate then up), got ",
-                w13.sizes());
+    TORCH_CHECK(w13.dim() == 2 && w13.size(0) % 2 == 0 && w13.size(0) >= 2, names.w13,
+                " must have shape [2 * hidden_dim, dim] (gate then up), got ", w13.sizes());
   }
   const int64_t hidden = w13_tiles ? weight_in_features(w2) : w13.size(0) / 2;
-  check_linear_weight(w13, "w13", 2 * hidden, dim);
-  check_linear_weight(w2, "w2", dim, hidden);
+  check_linear_weight(w13, names.w13.c_str(), 2 * hidden, dim);
+  check_linear_weight(w2, names.w2.c_str(), dim, hidden);
+}
+
+// The step's tokens, cache rows and attention over one layer's cache [num_blocks, block_size,
+// Hkv, D]: check_tree_verify on a stand-in (no data) for the q the layer will compute and,
+// when values are checked, rows within the cache and picked within the tokens.
+void check_decode_attention(const at::Tensor& x, int64_t head_dim, int64_t num_q_heads,
+                            int64_t num_kv_heads, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& rows,
+                            const std::optional<at::Tensor>& picked, bool packed,
+                            const at::Tensor& block_table, const at::Tensor& cache_lens,
+                            const at::Tensor& num_nodes, const at::Tensor& tree_mask,
+                            double sm_scale, int64_t start) {
+  const int64_t D = head_dim;
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1,
               "rows must be a 1-D int64 tensor of cache rows, got ", rows.scalar_type(), " ",
               rows.sizes());
@@ -662,12 +703,15 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
                 "rows must have one entry per token of x (B * M = ", x.size(0) * x.size(1),
                 "), got ", rows.size(0));
   }
-  // The attention: check_tree_verify on a stand-in (no data) for the q the layer will compute.
   TORCH_CHECK(tree_mask.dim() == 3, "tree_mask must be [B, T, ceil(T/64)], got shape ",
               tree_mask.sizes());
-  const at::Tensor q =
-      packed ? at::empty({tree_mask.size(0), tree_mask.size(1), num_q_heads, D}, x.options())
-             : at::empty({x.size(0), x.size(1), num_q_heads, D}, x.options());
+  // x's tokens are nodes start..start+M-1 of the trees (packed: every real node, start 0)
+  TORCH_CHECK(start >= 0 && start <= tree_mask.size(1) - (packed ? tree_mask.size(1) : x.size(1)),
+              "start must leave x's M = ", x.size(1),
+              " tokens within the trees' T = ", tree_mask.size(1), " nodes",
+              packed ? " (packed: start 0)" : "", ", got ", start);
+  const int64_t batch = packed ? tree_mask.size(0) : x.size(0);
+  const at::Tensor q = at::empty({batch, tree_mask.size(1), num_q_heads, D}, x.options());
   const bool check_values = should_check_values(x);
   check_tree_verify(q, k_cache, v_cache, block_table, cache_lens, num_nodes, tree_mask, sm_scale,
                     check_values);
@@ -682,6 +726,68 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
       check_index_range(*picked, "picked", x.size(0) * x.size(1), "B * M");
     }
   }
+}
+
+}  // namespace
+
+void check_decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& attention_norm_weight,
+                        const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
+                        const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
+                        const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
+                        const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                        int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& rows, const std::optional<at::Tensor>& picked,
+                        bool packed, const at::Tensor& block_table, const at::Tensor& cache_lens,
+                        const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale,
+                        int64_t start) {
+  const int64_t D = check_decode_inputs(x, eps, cos, sin, num_q_heads, num_kv_heads);
+  check_layer_weights(x, D, num_q_heads, num_kv_heads, prepacked, attention_norm_weight,
+                      ffn_norm_weight, wqkv, wqkv_bias, wo, w13, w2, /*layer=*/-1);
+  check_decode_attention(x, D, num_q_heads, num_kv_heads, k_cache, v_cache, rows, picked, packed,
+                         block_table, cache_lens, num_nodes, tree_mask, sm_scale, start);
+}
+
+void check_decode_layers(const at::Tensor& x, at::TensorList attention_norm_weights,
+                         at::TensorList ffn_norm_weights, double eps, at::TensorList wqkv,
+                         const c10::List<std::optional<at::Tensor>>& wqkv_bias, at::TensorList wo,
+                         at::TensorList w13, at::TensorList w2, bool prepacked,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                         int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         int64_t first_layer, const at::Tensor& rows,
+                         const std::optional<at::Tensor>& picked, bool packed,
+                         const at::Tensor& block_table, const at::Tensor& cache_lens,
+                         const at::Tensor& num_nodes, const at::Tensor& tree_mask,
+                         double sm_scale) {
+  const int64_t num_layers = static_cast<int64_t>(wqkv.size());
+  TORCH_CHECK(num_layers >= 1, "wqkv must hold at least one layer's weight, got none");
+  for (const auto& [size, name] :
+       {std::pair<size_t, const char*>{attention_norm_weights.size(), "attention_norm_weights"},
+        {ffn_norm_weights.size(), "ffn_norm_weights"},
+        {wqkv_bias.size(), "wqkv_bias"},
+        {wo.size(), "wo"},
+        {w13.size(), "w13"},
+        {w2.size(), "w2"}}) {
+    TORCH_CHECK(static_cast<int64_t>(size) == num_layers, name,
+                " must hold one entry per layer (len(wqkv) = ", num_layers, "), got ", size);
+  }
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.dim() == 5,
+              "k_cache and v_cache must be [num_layers, num_blocks, block_size, Hkv, D], got "
+              "shapes ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(first_layer >= 0 && first_layer <= k_cache.size(0) - num_layers,
+              "first_layer must be in [0, k_cache.size(0) - len(wqkv)] = [0, ",
+              k_cache.size(0) - num_layers, "], got ", first_layer);
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0), "v_cache must hold as many layers as k_cache (",
+              k_cache.size(0), "), got ", v_cache.size(0));
+  const int64_t D = check_decode_inputs(x, eps, cos, sin, num_q_heads, num_kv_heads);
+  for (int64_t i = 0; i < num_layers; ++i) {
+    check_layer_weights(x, D, num_q_heads, num_kv_heads, prepacked, attention_norm_weights[i],
+                        ffn_norm_weights[i], wqkv[i], wqkv_bias.get(i), wo[i], w13[i], w2[i], i);
+  }
+  // One layer's cache stands for all: the layers of one tensor share shape, dtype and strides.
+  check_decode_attention(x, D, num_q_heads, num_kv_heads, k_cache.select(0, first_layer),
+                         v_cache.select(0, first_layer), rows, picked, packed, block_table,
+                         cache_lens, num_nodes, tree_mask, sm_scale, /*start=*/0);
 }
 
 }  // namespace specdec

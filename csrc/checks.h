@@ -73,9 +73,10 @@ void check_tiled_linear(const at::Tensor& x, const at::Tensor& weight_tiles, int
                         const std::optional<at::Tensor>& bias);
 
 // Everything decode_layer reads, checked before it writes its K/V: the layer's own arguments,
-// its attention's (check_tree_verify on a stand-in for the q it will compute) and, when values
-// are checked, rows within the cache and picked within the tokens.
-void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+// its attention's (check_tree_verify on a stand-in for the q it will compute; x's tokens nodes
+// start..start+M-1 of the trees) and, when values are checked, rows within the cache and
+// picked within the tokens.
+void check_decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& attention_norm_weight,
                         const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
                         const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
                         const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
@@ -83,6 +84,21 @@ void check_decode_layer(const at::Tensor& x, const at::Tensor& attention_norm_we
                         int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& rows, const std::optional<at::Tensor>& picked,
                         bool packed, const at::Tensor& block_table, const at::Tensor& cache_lens,
-                        const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale);
+                        const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale,
+                        int64_t start);
+
+// decode_layers: decode_layer's checks for a run of layers, the step's (x, cos / sin, rows, the
+// attention's index tensors: values read once) and each layer's weights; k_cache / v_cache
+// [num_layers, num_blocks, block_size, Hkv, D] hold layers first_layer .. + len(wqkv) - 1.
+void check_decode_layers(const at::Tensor& x, at::TensorList attention_norm_weights,
+                         at::TensorList ffn_norm_weights, double eps, at::TensorList wqkv,
+                         const c10::List<std::optional<at::Tensor>>& wqkv_bias, at::TensorList wo,
+                         at::TensorList w13, at::TensorList w2, bool prepacked,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads,
+                         int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         int64_t first_layer, const at::Tensor& rows,
+                         const std::optional<at::Tensor>& picked, bool packed,
+                         const at::Tensor& block_table, const at::Tensor& cache_lens,
+                         const at::Tensor& num_nodes, const at::Tensor& tree_mask, double sm_scale);
 
 }  // namespace specdec

@@ -180,7 +180,8 @@ at::Tensor tiled_linear_impl(const at::Tensor& x, const at::Tensor& weight_tiles
 }
 
 // ---- decode_layer: one decoder layer of a CPU decode / verify step (csrc/cpu/decode_layer.cpp)
-at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+at::Tensor decode_layer_meta(const at::Tensor& x,
+                             const std::optional<at::Tensor>& attention_norm_weight,
                              const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
                              const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
                              const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
@@ -189,14 +190,15 @@ at::Tensor decode_layer_meta(const at::Tensor& x, const at::Tensor& attention_no
                              const at::Tensor& rows, const std::optional<at::Tensor>& picked,
                              bool packed, const at::Tensor& block_table,
                              const at::Tensor& cache_lens, const at::Tensor& num_nodes,
-                             const at::Tensor& tree_mask, double sm_scale) {
+                             const at::Tensor& tree_mask, double sm_scale, int64_t start) {
   check_decode_layer(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13, w2,
                      prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows, picked,
-                     packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
+                     packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale, start);
   return at::empty(x.sizes(), x.options());
 }
 
-at::Tensor decode_layer_impl(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+at::Tensor decode_layer_impl(const at::Tensor& x,
+                             const std::optional<at::Tensor>& attention_norm_weight,
                              const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
                              const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
                              const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
@@ -205,14 +207,56 @@ at::Tensor decode_layer_impl(const at::Tensor& x, const at::Tensor& attention_no
                              const at::Tensor& rows, const std::optional<at::Tensor>& picked,
                              bool packed, const at::Tensor& block_table,
                              const at::Tensor& cache_lens, const at::Tensor& num_nodes,
-                             const at::Tensor& tree_mask, double sm_scale) {
+                             const at::Tensor& tree_mask, double sm_scale, int64_t start) {
   check_decode_layer(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13, w2,
                      prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache, rows, picked,
-                     packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale);
+                     packed, block_table, cache_lens, num_nodes, tree_mask, sm_scale, start);
   return decode_layer_cpu(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, wqkv_bias, wo, w13,
                           w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache,
                           rows, picked, packed, as_index(block_table), as_index(cache_lens),
-                          as_index(num_nodes), tree_mask.contiguous(), sm_scale);
+                          as_index(num_nodes), tree_mask.contiguous(), sm_scale, start);
+}
+
+// ---- decode_layers: a run of decoder layers of a CPU decode / verify step, one call
+// (csrc/cpu/decode_layer.cpp)
+at::Tensor decode_layers_meta(const at::Tensor& x, at::TensorList attention_norm_weights,
+                              at::TensorList ffn_norm_weights, double eps, at::TensorList wqkv,
+                              const c10::List<std::optional<at::Tensor>>& wqkv_bias,
+                              at::TensorList wo, at::TensorList w13, at::TensorList w2,
+                              bool prepacked, const at::Tensor& cos, const at::Tensor& sin,
+                              int64_t num_q_heads, int64_t num_kv_heads, at::Tensor& k_cache,
+                              at::Tensor& v_cache, int64_t first_layer, const at::Tensor& rows,
+                              const std::optional<at::Tensor>& picked, bool packed,
+                              const at::Tensor& block_table, const at::Tensor& cache_lens,
+                              const at::Tensor& num_nodes, const at::Tensor& tree_mask,
+                              double sm_scale) {
+  check_decode_layers(x, attention_norm_weights, ffn_norm_weights, eps, wqkv, wqkv_bias, wo, w13,
+                      w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache,
+                      first_layer, rows, picked, packed, block_table, cache_lens, num_nodes,
+                      tree_mask, sm_scale);
+  return at::empty(x.sizes(), x.options());
+}
+
+at::Tensor decode_layers_impl(const at::Tensor& x, at::TensorList attention_norm_weights,
+                              at::TensorList ffn_norm_weights, double eps, at::TensorList wqkv,
+                              const c10::List<std::optional<at::Tensor>>& wqkv_bias,
+                              at::TensorList wo, at::TensorList w13, at::TensorList w2,
+                              bool prepacked, const at::Tensor& cos, const at::Tensor& sin,
+                              int64_t num_q_heads, int64_t num_kv_heads, at::Tensor& k_cache,
+                              at::Tensor& v_cache, int64_t first_layer, const at::Tensor& rows,
+                              const std::optional<at::Tensor>& picked, bool packed,
+                              const at::Tensor& block_table, const at::Tensor& cache_lens,
+                              const at::Tensor& num_nodes, const at::Tensor& tree_mask,
+                              double sm_scale) {
+  check_decode_layers(x, attention_norm_weights, ffn_norm_weights, eps, wqkv, wqkv_bias, wo, w13,
+                      w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache, v_cache,
+                      first_layer, rows, picked, packed, block_table, cache_lens, num_nodes,
+                      tree_mask, sm_scale);
+  return decode_layers_cpu(x, attention_norm_weights, ffn_norm_weights, eps, wqkv, wqkv_bias, wo,
+                           w13, w2, prepacked, cos, sin, num_q_heads, num_kv_heads, k_cache,
+                           v_cache, first_layer, rows, picked, packed, as_index(block_table),
+                           as_index(cache_lens), as_index(num_nodes), tree_mask.contiguous(),
+                           sm_scale);
 }
 
 // ---- _check_* : the same validation for backends that live outside C++ (Triton) ----
@@ -273,11 +317,19 @@ TORCH_LIBRARY(specdec, m) {
       "tiled_linear(Tensor x, Tensor weight_tiles, int out_features, Tensor? bias=None) -> "
       "Tensor");
   m.def(
-      "decode_layer(Tensor x, Tensor attention_norm_weight, Tensor ffn_norm_weight, float eps, "
+      "decode_layer(Tensor x, Tensor? attention_norm_weight, Tensor ffn_norm_weight, float eps, "
       "Tensor wqkv, Tensor? wqkv_bias, Tensor wo, Tensor w13, Tensor w2, bool prepacked, "
       "Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor rows, Tensor? picked, bool packed, Tensor block_table, "
-      "Tensor cache_lens, Tensor num_nodes, Tensor tree_mask, float sm_scale) -> Tensor");
+      "Tensor cache_lens, Tensor num_nodes, Tensor tree_mask, float sm_scale, int start=0) -> "
+      "Tensor");
+  m.def(
+      "decode_layers(Tensor x, Tensor[] attention_norm_weights, Tensor[] ffn_norm_weights, "
+      "float eps, Tensor[] wqkv, Tensor?[] wqkv_bias, Tensor[] wo, Tensor[] w13, Tensor[] w2, "
+      "bool prepacked, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int first_layer, Tensor rows, Tensor? picked, "
+      "bool packed, Tensor block_table, Tensor cache_lens, Tensor num_nodes, Tensor tree_mask, "
+      "float sm_scale) -> Tensor");
 
   m.def("_check_build_tree_mask(Tensor parents, Tensor num_nodes) -> ()");
   m.def(
@@ -310,6 +362,7 @@ TORCH_LIBRARY_IMPL(specdec, Meta, m) {
   m.impl("silu_and_mul", &silu_and_mul_meta);
   m.impl("tiled_linear", &tiled_linear_meta);
   m.impl("decode_layer", &decode_layer_meta);
+  m.impl("decode_layers", &decode_layers_meta);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
@@ -323,11 +376,15 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul_impl);
   m.impl("tiled_linear", &tiled_linear_impl);
   m.impl("decode_layer", &decode_layer_impl);
+  m.impl("decode_layers", &decode_layers_impl);
 }
 
 // Prepacked weights are oneDNN tensors (dispatch key MkldnnCPU), which outrank CPU in the
-// dispatch: decode_layer with them lands here, and runs the same CPU implementation.
-TORCH_LIBRARY_IMPL(specdec, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer_impl); }
+// dispatch: decode_layer(s) with them lands here, and runs the same CPU implementation.
+TORCH_LIBRARY_IMPL(specdec, MkldnnCPU, m) {
+  m.impl("decode_layer", &decode_layer_impl);
+  m.impl("decode_layers", &decode_layers_impl);
+}
 
 #ifdef SPECDEC_WITH_CUDA
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {

@@ -61,7 +61,8 @@ at::Tensor tiled_linear_cpu(const at::Tensor& x, const at::Tensor& weight_tiles,
 
 // One decoder layer of a decode / verify step (csrc/cpu/decode_layer.cpp); the index tensors
 // as tree_verify_cpu takes them. Writes the new tokens' K/V into k_cache / v_cache at rows.
-at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& attention_norm_weight,
+at::Tensor decode_layer_cpu(const at::Tensor& x,
+                            const std::optional<at::Tensor>& attention_norm_weight,
                             const at::Tensor& ffn_norm_weight, double eps, const at::Tensor& wqkv,
                             const std::optional<at::Tensor>& wqkv_bias, const at::Tensor& wo,
                             const at::Tensor& w13, const at::Tensor& w2, bool prepacked,
@@ -70,7 +71,22 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const at::Tensor& attention_nor
                             const at::Tensor& rows, const std::optional<at::Tensor>& picked,
                             bool packed, const at::Tensor& block_table,
                             const at::Tensor& cache_lens, const at::Tensor& num_nodes,
-                            const at::Tensor& tree_mask, double sm_scale);
+                            const at::Tensor& tree_mask, double sm_scale, int64_t start);
+
+// decode_layer_cpu for layers first_layer .. first_layer + len(wqkv) - 1 in turn, layer i's
+// K/V into k_cache[first_layer + i] / v_cache[...] ([num_layers, num_blocks, block_size, Hkv,
+// D]); the index tensors as tree_verify_cpu takes them.
+at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList attention_norm_weights,
+                             at::TensorList ffn_norm_weights, double eps, at::TensorList wqkv,
+                             const c10::List<std::optional<at::Tensor>>& wqkv_bias,
+                             at::TensorList wo, at::TensorList w13, at::TensorList w2,
+                             bool prepacked, const at::Tensor& cos, const at::Tensor& sin,
+                             int64_t num_q_heads, int64_t num_kv_heads, at::Tensor& k_cache,
+                             at::Tensor& v_cache, int64_t first_layer, const at::Tensor& rows,
+                             const std::optional<at::Tensor>& picked, bool packed,
+                             const at::Tensor& block_table, const at::Tensor& cache_lens,
+                             const at::Tensor& num_nodes, const at::Tensor& tree_mask,
+                             double sm_scale);
 
 #ifdef SPECDEC_WITH_CUDA
 // ---- CUDA (csrc/cuda/*.cu), same contracts ----

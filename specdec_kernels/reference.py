@@ -27,6 +27,7 @@ __all__ = [
     "rope_qkv",
     "silu_and_mul",
     "decode_layer",
+    "decode_layers",
 ]
 
 
@@ -396,3 +397,61 @@ def decode_layer(
         out = out.reshape(-1, num_q_heads, D)[picked][None]
     total, normed = add_rms_norm(x, F.linear(out.reshape(B, M, -1), wo), ffn_norm_weight, eps)
     return total + F.linear(silu_and_mul(F.linear(normed, w13)), w2)
+
+
+def decode_layers(
+    x: Tensor,
+    attention_norm_weights: list[Tensor],
+    ffn_norm_weights: list[Tensor],
+    eps: float,
+    wqkv: list[Tensor],
+    wqkv_bias: list[Tensor | None],
+    wo: list[Tensor],
+    w13: list[Tensor],
+    w2: list[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    first_layer: int,
+    rows: Tensor,
+    picked: Tensor | None,
+    packed: bool,
+    block_table: Tensor,
+    cache_lens: Tensor,
+    num_nodes: Tensor,
+    tree_mask: Tensor,
+    sm_scale: float,
+) -> Tensor:
+    """decode_layer for layers first_layer .. first_layer + len(wqkv) - 1 in turn, entry i of
+    each weight list for layer first_layer + i, whose K/V go to k_cache / v_cache
+    [num_layers, num_blocks, block_size, Hkv, D] at index first_layer + i -> x's shape."""
+    for i in range(len(wqkv)):
+        x = decode_layer(
+            x,
+            attention_norm_weights[i],
+            ffn_norm_weights[i],
+            eps,
+            wqkv[i],
+            wqkv_bias[i],
+            wo[i],
+            w13[i],
+            w2[i],
+            cos,
+            sin,
+            num_q_heads,
+            num_kv_heads,
+            k_cache[first_layer + i],
+            v_cache[first_layer + i],
+            rows,
+            picked,
+            packed,
+            block_table,
+            cache_lens,
+            num_nodes,
+            tree_mask,
+            sm_scale,
+        )
+    return x

@@ -348,17 +348,16 @@ class TransformerBlock(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata
     ) -> Tensor | None:
         """forward as one torch.ops.specdec.decode_layer call (bitwise the modules' result: the
-        same kernels in the same order), or None where the modules must run: not a verify step
-        from tree node 0, no layer ops (training, torch.compile, float32, other devices), no
-        input norm (EAGLE heads), or linears that are not plain (tensor parallelism's
-        all-reducing ones)."""
+        same kernels in the same order), or None where the modules must run: not a verify step,
+        no layer ops (training, torch.compile, float32, other devices), or linears that are not
+        plain (tensor parallelism's all-reducing ones). The new tokens may be any run of tree
+        nodes (an EAGLE head's draft level: nodes start..start+M-1), and the input norm the
+        identity (EAGLE-1/2 heads)."""
         if (
             not use_layer_ops(self, x)
             or meta.mode != "verify"
-            or meta.start != 0
             or cos.dtype != x.dtype
             or cos.shape[:2] != x.shape[:2]
-            or (not meta.packed and x.shape[1] != meta.tree_mask.shape[1])  # type: ignore[union-attr]
         ):
             return None
         args = self._decode_args(x)
@@ -383,6 +382,7 @@ class TransformerBlock(nn.Module):
             meta.num_nodes,
             meta.tree_mask,
             scale,
+            meta.start,
         )
 
     def _decode_args(self, x: Tensor) -> tuple[tuple, tuple[int, int, int, float]] | None:
@@ -397,29 +397,51 @@ class TransformerBlock(nn.Module):
         and version (an in-place update, load_state_dict, a new Parameter or a PackedLinear
         conversion rebuild them, and WeightPack repacks), eps, the layer ops flag and whether
         x's rows take the weights' tiles or oneDNN's layout (packed_linear.uses_tiles)."""
-        modules: dict[str, Any] = self._modules
-        attn, ff = modules["attention"], modules["feed_forward"]
-        norms = (modules["attention_norm"], modules["ffn_norm"])
-        linears = tuple(attn._modules[n] for n in ("wqkv", "wo")) + tuple(
-            ff._modules[n] for n in ("w13", "w2")
-        )
-        params = [p for m in norms + linears for p in m._parameters.values() if p is not None]
-        key = (
-            x.dtype,
-            x.numel() // x.shape[-1] <= tiled_rows(),
-            attn.layer_ops,
-            tuple(map(type, norms + linears)),
-            tuple(map(id, norms + linears)),
-            tuple((id(p), p.data_ptr(), p._version) for p in params),
-            tuple(getattr(n, "eps", None) for n in norms),
-        )
+        key = (x.dtype, x.numel() // x.shape[-1] <= tiled_rows(), self._decode_key())
         cached = self.__dict__.get("_decode_cache")
         if cached is None or cached[0] != key:
+            modules: dict[str, Any] = self._modules
+            attn, ff = modules["attention"], modules["feed_forward"]
+            norms = (modules["attention_norm"], modules["ffn_norm"])
+            linears = tuple(attn._modules[n] for n in ("wqkv", "wo")) + tuple(
+                ff._modules[n] for n in ("w13", "w2")
+            )
             weights = self._decode_weights(x, attn, norms, linears)
             shape = (attn.layer_idx, attn.n_heads, attn.n_kv_heads, attn.scale)
             args = None if weights is None else (weights, shape)
             cached = self.__dict__["_decode_cache"] = (key, args)
         return cached[1]
+
+    def _decode_key(self) -> tuple:
+        """What _decode_args' result derives from, but for x, in one flat tuple read straight
+        from the modules' dicts (Transformer checks all blocks' keys every step: ~2 us a block):
+        the flags, the submodules and their classes, every parameter's identity, storage and
+        version, and eps."""
+        modules: dict[str, Any] = self._modules
+        attn, ff = modules["attention"], modules["feed_forward"]
+        attention_norm, ffn_norm = modules["attention_norm"], modules["ffn_norm"]
+        parts = (
+            attention_norm,
+            ffn_norm,
+            attn._modules["wqkv"],
+            attn._modules["wo"],
+            ff._modules["w13"],
+            ff._modules["w2"],
+        )
+        return (
+            self.layer_ops,
+            attn.layer_ops,
+            *parts,
+            *map(type, parts),
+            getattr(attention_norm, "eps", None),
+            getattr(ffn_norm, "eps", None),
+            *[
+                (id(p), p.data_ptr(), p._version)
+                for m in parts
+                for p in m._parameters.values()
+                if p is not None
+            ],
+        )
 
     @staticmethod
     def _decode_weights(x: Tensor, attn, norms: tuple, linears: tuple) -> tuple | None:
@@ -428,9 +450,9 @@ class TransformerBlock(nn.Module):
         wqkv, wo, w13, w2 = linears
         if (
             not use_layer_ops(attn, x)
-            or type(attention_norm) is not RMSNorm  # EAGLE heads: nn.Identity
+            or type(attention_norm) not in (RMSNorm, nn.Identity)  # EAGLE-1/2 heads: Identity
             or type(ffn_norm) is not RMSNorm
-            or attention_norm.eps != ffn_norm.eps
+            or getattr(attention_norm, "eps", ffn_norm.eps) != ffn_norm.eps
             or wo.bias is not None
             or w13.bias is not None
             or w2.bias is not None
@@ -447,9 +469,9 @@ class TransformerBlock(nn.Module):
         else:
             return None
         return (
-            attention_norm.weight,
+            getattr(attention_norm, "weight", None),  # None: no input norm
             ffn_norm.weight,
-            attention_norm.eps,
+            ffn_norm.eps,
             weights[0],
             wqkv.bias,
             weights[1],
@@ -457,6 +479,30 @@ class TransformerBlock(nn.Module):
             weights[3],
             prepacked,
         )
+
+
+def _stack_decode_args(
+    x: Tensor, blocks: list[TransformerBlock]
+) -> tuple[list[list], tuple] | None:
+    """Transformer._decode_layers_args' lists from each block's _decode_args, or None."""
+    if any(b.layer_ops is not True for b in blocks):  # decode_layer switched off
+        return None
+    per_block = [b._decode_args(x) for b in blocks]
+    if any(a is None for a in per_block):
+        return None
+    configs = set()
+    weights: list[list] = [[] for _ in range(7)]
+    for i, (args, (layer_idx, n_heads, n_kv_heads, scale)) in enumerate(per_block):  # type: ignore[misc]
+        attention_norm, ffn_norm, eps, wqkv, wqkv_bias, wo, w13, w2, prepacked = args
+        if attention_norm is None:  # decode_layers' layers all have an input norm
+            return None
+        for column, w in zip(weights, (attention_norm, ffn_norm, wqkv, wqkv_bias, wo, w13, w2)):
+            column.append(w)
+        configs.add((eps, prepacked, layer_idx - i, n_heads, n_kv_heads, scale))
+    if len(configs) != 1:  # mixed eps, layouts, heads or scales; or layers not consecutive
+        return None
+    config = configs.pop()
+    return (weights, config) if config[2] >= 0 else None
 
 
 def _nest_flat_block_names(state_dict: dict, prefix: str, *_) -> None:
@@ -531,11 +577,93 @@ class Transformer(nn.Module):
         feature_layers: Sequence[int],
     ) -> tuple[Tensor, list[Tensor]]:
         """Runs every block; returns (final-norm hidden, [pre-norm outputs of feature_layers])."""
+        run = self._decode_layers_args(x, cos, sin, meta)
+        if run is not None:
+            return self._run_decode_layers(x, cos, sin, meta, feature_layers, *run)
         feats = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta)
             if i in feature_layers:
                 feats.append(x)
+        return self.norm(x), feats
+
+    def _decode_layers_args(
+        self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata
+    ) -> tuple[list[list], tuple] | None:
+        """The blocks' weights as decode_layers' lists (attention_norm_weights,
+        ffn_norm_weights, wqkv, wqkv_bias, wo, w13, w2) and (eps, prepacked, first layer, heads,
+        KV heads, scale), when every block would run as one decode_layer call with the same
+        eps, layout, heads and scale on consecutive cache layers; else None (the blocks run one
+        by one, each as decode_layer or its modules).
+
+        Cached between steps under the blocks' _decode_key()s (~2 us a block against ~13 us for
+        each block's own _decode_args check) and whether x's rows take the tiles."""
+        blocks: list[TransformerBlock] = list(self.layers._modules.values())  # type: ignore[arg-type]
+        if (
+            not blocks
+            or meta.mode != "verify"
+            or meta.start != 0
+            or x.device.type != "cpu"
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or cos.dtype != x.dtype
+            or cos.shape[:2] != x.shape[:2]
+            or (not meta.packed and x.shape[1] != meta.tree_mask.shape[1])  # type: ignore[union-attr]
+            or any(type(b) is not TransformerBlock for b in blocks)
+        ):
+            return None
+        key = (
+            x.dtype,
+            x.numel() // x.shape[-1] <= tiled_rows(),
+            tuple(b._decode_key() for b in blocks),
+        )
+        cached = self.__dict__.get("_decode_layers_cache")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_decode_layers_cache"] = (key, _stack_decode_args(x, blocks))
+        return cached[1]
+
+    def _run_decode_layers(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        meta: AttentionMetadata,
+        feature_layers: Sequence[int],
+        weights: list[list],
+        config: tuple,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """_layers as decode_layers calls: one for all blocks, or one per run of blocks ending
+        at a feature layer (whose output is kept)."""
+        eps, prepacked, first_layer, n_heads, n_kv_heads, scale = config
+        n = len(weights[0])
+        ends = sorted({i for i in feature_layers if 0 <= i < n} | {n - 1})
+        feats, start = [], 0
+        for end in ends:
+            x = torch.ops.specdec.decode_layers(
+                x,
+                *(w[start : end + 1] for w in weights[:2]),
+                eps,
+                *(w[start : end + 1] for w in weights[2:]),
+                prepacked,
+                cos,
+                sin,
+                n_heads,
+                n_kv_heads,
+                meta.cache.k,
+                meta.cache.v,
+                first_layer + start,
+                meta.rows,
+                meta.picked,
+                meta.packed,
+                meta.block_table,
+                meta.cache_lens,
+                meta.num_nodes,
+                meta.tree_mask,
+                scale,
+            )
+            if end in feature_layers:
+                feats.append(x)
+            start = end + 1
         return self.norm(x), feats
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ bit the modules' result, training untouched."""
 import pytest
 import torch
 
+import specdec.model
 import specdec_kernels.ops as ops
 from specdec import layer_ops, packed_linear
 from specdec.model import Attention, FeedForward, RMSNorm, TransformerBlock
@@ -76,7 +77,9 @@ def test_engine_bf16_tokens_with_and_without(tree, monkeypatch):
 
 
 def count_decode_layer_calls(monkeypatch):
-    """-> a list that records, per block forward in verify mode, whether decode_layer ran."""
+    """-> a list that records, per block of a forward in verify mode, whether it ran in C++:
+    one True per layer of each decode_layers call (Transformer's blocks in one call), and per
+    block forward whether decode_layer ran."""
     calls = []
     original = TransformerBlock._decode_layer
 
@@ -87,19 +90,36 @@ def count_decode_layer_calls(monkeypatch):
         return out
 
     monkeypatch.setattr(TransformerBlock, "_decode_layer", recorded)
+    op = torch.ops.specdec.decode_layers
+
+    def recorded_layers(x, attention_norm_weights, *args):
+        calls.extend([True] * len(attention_norm_weights))
+        return op(x, attention_norm_weights, *args)
+
+    monkeypatch.setattr(torch.ops.specdec, "decode_layers", recorded_layers)
     return calls
 
 
 def record_weight_layouts(monkeypatch):
-    """-> a list that records the layout of the wqkv weight of each decode_layer call."""
+    """-> a list that records the layout of the wqkv weight of each layer that decode_layer or
+    decode_layers ran."""
     layouts = []
-    op = torch.ops.specdec.decode_layer
+
+    def layout(w):
+        return "onednn" if w.is_mkldnn else "tiles" if w.dim() == 4 else "plain"
+
+    op, ops_layers = torch.ops.specdec.decode_layer, torch.ops.specdec.decode_layers
 
     def recorded(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, *args):
-        layouts.append("onednn" if wqkv.is_mkldnn else "tiles" if wqkv.dim() == 4 else "plain")
+        layouts.append(layout(wqkv))
         return op(x, attention_norm_weight, ffn_norm_weight, eps, wqkv, *args)
 
+    def recorded_layers(x, attention_norm_weights, ffn_norm_weights, eps, wqkv, *args):
+        layouts.extend(map(layout, wqkv))
+        return ops_layers(x, attention_norm_weights, ffn_norm_weights, eps, wqkv, *args)
+
     monkeypatch.setattr(torch.ops.specdec, "decode_layer", recorded)
+    monkeypatch.setattr(torch.ops.specdec, "decode_layers", recorded_layers)
     return layouts
 
 
@@ -183,8 +203,10 @@ def test_decode_layer_sees_changes_after_a_step(layout, change, monkeypatch):
     assert calls == [change != "off"] * len(model.layers)
     if change == "layout":  # (the tiny model's sums often round alike in both layouts)
         assert set(layouts) == {{"tiles": "onednn", "onednn": "tiles", None: "plain"}[layout]}
-    for b in model.layers:  # the same step from the modules
+    for b in model.layers:  # the same step from the modules, whatever is cached
         b.layer_ops = False
+        b.__dict__.pop("_decode_cache", None)
+    model.__dict__.pop("_decode_layers_cache", None)
     expected = model.forward(*args)
     for a, b in zip(cached, expected):  # decode_layer is bitwise the modules' layer ops
         assert torch.equal(a, b)
@@ -223,3 +245,44 @@ def test_training_takes_the_torch_ops():
 
     block(x, cos, sin, attend).float().sum().backward()
     assert all(p.grad is not None for p in block.parameters())
+
+
+@pytest.mark.parametrize("layout", ["tiles", "onednn", None])
+@pytest.mark.parametrize("feature_layers", [(), (1,), (0, 2), (0, 1, 2)])
+def test_blocks_as_decode_layers_calls(layout, feature_layers, monkeypatch):
+    """A verify step runs the model's blocks as one decode_layers call, or one per run ending
+    at a feature layer (whose output it keeps), never block by block; bitwise the blocks run
+    one at a time (each as decode_layer) and the modules."""
+    runs = []
+    op = torch.ops.specdec.decode_layers
+
+    def recorded(x, attention_norm_weights, *args):
+        runs.append((args[14], len(attention_norm_weights)))  # (first_layer, layers)
+        return op(x, attention_norm_weights, *args)
+
+    monkeypatch.setattr(torch.ops.specdec, "decode_layers", recorded)
+    calls = count_decode_layer_calls(monkeypatch)
+    model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
+    prepack_as(model, layout, monkeypatch)
+    outs = []
+    for mode in ("layers", "blocks", "modules"):
+        layer_ops.configure(model, True, decode_layer=mode != "modules")
+        if mode == "blocks":  # the blocks one at a time, each as decode_layer
+            monkeypatch.setattr(specdec.model, "_stack_decode_args", lambda *_: None)
+            model.__dict__.pop("_decode_layers_cache")
+        runs.clear()
+        calls.clear()
+        torch.manual_seed(0)
+        cache, slots, prompts, args = verify_inputs(model)
+        model.prefill(prompts, cache, slots)
+        outs.append((*model.forward(*args[:-1], feature_layers), cache.k, cache.v))
+        if mode == "layers":
+            ends = sorted(set(feature_layers) | {2})
+            starts = [0] + [e + 1 for e in ends[:-1]]
+            assert runs == [(s, e - s + 1) for s, e in zip(starts, ends)]
+            assert calls == [True] * 3
+        else:
+            assert runs == []
+            assert calls == [mode == "blocks"] * 3
+    for a, b, c in zip(*outs):
+        assert torch.equal(a, b) and torch.equal(a, c)

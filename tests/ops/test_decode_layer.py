@@ -117,7 +117,9 @@ def chained_ops(kw, linear=F.linear):
     """The eager model's block with the layer ops (TransformerBlock.forward), op by op."""
     x, cache_k, cache_v = kw["x"], kw["k_cache"], kw["v_cache"]
     B, M, _ = x.shape
-    h = torch.ops.specdec.rms_norm(x, kw["attention_norm_weight"], kw["eps"])
+    h = x
+    if kw["attention_norm_weight"] is not None:
+        h = torch.ops.specdec.rms_norm(x, kw["attention_norm_weight"], kw["eps"])
     qkv = linear(h, kw["wqkv"], kw["wqkv_bias"])
     q, k, v = torch.ops.specdec.rope_qkv(qkv, kw["cos"], kw["sin"], Hq, Hkv)
     k, v = k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
@@ -129,6 +131,12 @@ def chained_ops(kw, linear=F.linear):
         q_tree = q.new_zeros(2 * 4, Hq, D).index_copy_(0, picked, q[0]).view(2, 4, Hq, D)
         out = ops.tree_verify(q_tree, cache_k, cache_v, *args, kw["sm_scale"])
         out = out.reshape(-1, Hq, D).index_select(0, picked)[None]
+    elif M != kw["tree_mask"].shape[1]:  # nodes start..start+M-1 (Attention.attend)
+        start = kw.get("start", 0)
+        q_tree = q.new_zeros(B, kw["tree_mask"].shape[1], Hq, D)
+        q_tree[:, start : start + M] = q
+        out = ops.tree_verify(q_tree, cache_k, cache_v, *args, kw["sm_scale"])
+        out = out[:, start : start + M]
     else:
         out = ops.tree_verify(q, cache_k, cache_v, *args, kw["sm_scale"])
     total, normed = torch.ops.specdec.add_rms_norm(
@@ -352,3 +360,176 @@ def test_fake_shape():
         fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
         out = call_op(fake)
     assert out.shape == kw["x"].shape and out.dtype == torch.bfloat16
+
+
+def draft_level_inputs(start, num_new, bias=True):
+    """layer_inputs' padded trees (4 and 4 nodes), the new tokens being nodes
+    start..start+num_new-1 of each (an EAGLE head's draft level; earlier nodes cached)."""
+    kw = layer_inputs(torch.bfloat16, packed=False, bias=bias)
+    B, T = 2, 4
+    rows = kw["rows"].view(B, T)[:, start : start + num_new].flatten()
+    return dict(
+        kw,
+        x=kw["x"][:, start : start + num_new].contiguous(),
+        cos=kw["cos"][:, start : start + num_new].contiguous(),
+        sin=kw["sin"][:, start : start + num_new].contiguous(),
+        rows=rows.contiguous(),
+        start=start,
+    )
+
+
+@pytest.mark.parametrize("start,num_new", [(1, 2), (3, 1), (0, 2), (2, 2)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_draft_level_bitwise_the_chained_ops(start, num_new, norm):
+    """Nodes start..start+M-1 of the trees (M < T), with or without the input norm (an
+    EAGLE-1/2 head's layer): bitwise the modules' path (Attention.attend pads the queries)."""
+    kw = draft_level_inputs(start, num_new)
+    if not norm:
+        kw["attention_norm_weight"] = None
+    mine, theirs = clone(kw), clone(kw)
+    got = call_op(mine)
+    assert got.shape == kw["x"].shape
+    assert torch.equal(got, chained_ops(theirs))
+    assert torch.equal(mine["k_cache"], theirs["k_cache"])
+    # and not the same as the layer with the norm / at another start
+    other = dict(clone(kw), attention_norm_weight=None if norm else theirs["ffn_norm_weight"])
+    assert not torch.equal(call_op(other), got)
+
+
+@pytest.mark.parametrize("start", [-1, 3])
+def test_bad_start_named(start):
+    kw = draft_level_inputs(1, 2)
+    before = kw["k_cache"].clone()
+    with pytest.raises(RuntimeError, match="start"):
+        call_op(dict(kw, start=start))
+    assert torch.equal(kw["k_cache"], before)
+    packed = layer_inputs(torch.bfloat16, packed=True)
+    with pytest.raises(RuntimeError, match="start"):
+        call_op(dict(packed, start=1))
+
+
+def test_draft_level_opcheck():
+    kw = draft_level_inputs(1, 2)
+    kw["attention_norm_weight"] = None
+    torch.library.opcheck(torch.ops.specdec.decode_layer, (), kw)
+
+
+# ---- decode_layers: a run of layers in one call --------------------------------------------
+
+NUM_CACHE_LAYERS, FIRST_LAYER, NUM_LAYERS = 5, 1, 3
+LIST_NAMES = ("attention_norm_weights", "ffn_norm_weights", "wqkv", "wqkv_bias", "wo", "w13", "w2")
+ONE_NAMES = ("attention_norm_weight", "ffn_norm_weight", "wqkv", "wqkv_bias", "wo", "w13", "w2")
+
+
+def layers_inputs(dtype, packed=False, bias=True, layout=None):
+    """decode_layers' keyword arguments: layer_inputs' step with NUM_LAYERS layers of their own
+    random weights (layout None: plain, "tiles", "onednn") over a random cache of
+    NUM_CACHE_LAYERS layers, starting at FIRST_LAYER."""
+    steps = [layer_inputs(dtype, packed, bias, seed=seed) for seed in range(NUM_LAYERS)]
+    if layout == "tiles":
+        steps = [tile(kw) for kw in steps]
+    elif layout == "onednn":
+        steps = [prepack(kw) for kw in steps]
+    kw = {k: v for k, v in steps[0].items() if k not in ONE_NAMES + ("k_cache", "v_cache")}
+    for many, one in zip(LIST_NAMES, ONE_NAMES):
+        kw[many] = [step[one] for step in steps]
+    gen = torch.Generator().manual_seed(7)
+    shape = (NUM_CACHE_LAYERS, NUM_BLOCKS, BLOCK, Hkv, D)
+    kw["k_cache"] = torch.randn(shape, generator=gen).to(dtype)
+    kw["v_cache"] = torch.randn(shape, generator=gen).to(dtype)
+    kw["first_layer"] = FIRST_LAYER
+    return kw
+
+
+def clone_layers(kw):
+    return {k: list(v) if isinstance(v, list) else v for k, v in clone(kw).items()}
+
+
+def layer_by_layer(kw):
+    """decode_layer called for each layer in turn, on the cache's layer views."""
+    x = kw["x"]
+    for i in range(len(kw["wqkv"])):
+        one = {k: v for k, v in kw.items() if k not in LIST_NAMES + ("first_layer",)}
+        one.update({o: kw[m][i] for m, o in zip(LIST_NAMES, ONE_NAMES)})
+        one.update(
+            x=x,
+            k_cache=kw["k_cache"][kw["first_layer"] + i],
+            v_cache=kw["v_cache"][kw["first_layer"] + i],
+        )
+        x = call_op(one)
+    return x
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", [None, "tiles", "onednn"])
+def test_layers_bitwise_one_layer_at_a_time(packed, bias, layout):
+    if layout == "onednn" and not _prepack_supported():
+        pytest.skip("oneDNN without bf16 support")
+    kw = layers_inputs(torch.bfloat16, packed, bias, layout)
+    before_k = kw["k_cache"].clone()
+    mine, theirs = clone_layers(kw), clone_layers(kw)
+    assert torch.equal(torch.ops.specdec.decode_layers(**mine), layer_by_layer(theirs))
+    assert torch.equal(mine["k_cache"], theirs["k_cache"])
+    assert torch.equal(mine["v_cache"], theirs["v_cache"])
+    # layers outside first_layer .. first_layer + NUM_LAYERS - 1 untouched, each inside written
+    last = FIRST_LAYER + NUM_LAYERS
+    assert torch.equal(mine["k_cache"][:FIRST_LAYER], before_k[:FIRST_LAYER])
+    assert torch.equal(mine["k_cache"][last:], before_k[last:])
+    for layer in range(FIRST_LAYER, last):
+        assert not torch.equal(mine["k_cache"][layer], before_k[layer])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_against_float64_reference(dtype):
+    kw = layers_inputs(dtype, packed=True)
+    kw64 = {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in clone_layers(kw).items()
+    }
+    for name in LIST_NAMES:
+        kw64[name] = [None if w is None else w.double() for w in kw64[name]]
+    kw64.pop("prepacked")
+    want = reference.decode_layers(**kw64)
+    got = torch.ops.specdec.decode_layers(**kw)
+    x = kw["x"].double()
+    assert close(got - x, want - x, dtype)
+    assert close(kw["k_cache"], kw64["k_cache"], dtype)
+    # and the comparison can fail: a wrong first layer writes other cache layers
+    wrong = clone_layers(kw)
+    torch.ops.specdec.decode_layers(**dict(wrong, first_layer=0))
+    assert not close(wrong["k_cache"], kw64["k_cache"], dtype)
+
+
+LAYERS_BAD = {
+    "w13": lambda kw: dict(kw, w13=kw["w13"][:-1]),  # one layer short
+    r"wqkv\[2\]": lambda kw: dict(kw, wqkv=kw["wqkv"][:2] + [kw["wqkv"][2][:-1]]),
+    r"attention_norm_weights\[1\]": lambda kw: dict(
+        kw,
+        attention_norm_weights=[
+            w.float() if i == 1 else w for i, w in enumerate(kw["attention_norm_weights"])
+        ],
+    ),
+    "wqkv": lambda kw: {**kw, **{name: [] for name in LIST_NAMES}},
+    "first_layer": lambda kw: dict(kw, first_layer=NUM_CACHE_LAYERS - NUM_LAYERS + 1),
+    "first_layer ": lambda kw: dict(kw, first_layer=-1),
+    "k_cache": lambda kw: dict(kw, k_cache=kw["k_cache"][0]),
+    "v_cache": lambda kw: dict(kw, v_cache=kw["v_cache"][:-1]),
+    "rows": lambda kw: dict(kw, rows=torch.cat([kw["rows"][:-1], kw["rows"].new_tensor([10**6])])),
+    "cache_lens": lambda kw: dict(kw, cache_lens=torch.tensor([7, 100], dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS_BAD))
+def test_layers_bad_inputs_named_and_nothing_written(name):
+    kw = layers_inputs(torch.bfloat16, packed=True)
+    before = kw["k_cache"].clone(), kw["v_cache"].clone()
+    with pytest.raises(RuntimeError, match=name.strip()):
+        torch.ops.specdec.decode_layers(**LAYERS_BAD[name](kw))
+    assert torch.equal(kw["k_cache"], before[0]) and torch.equal(kw["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_layers_opcheck(packed):
+    kw = layers_inputs(torch.bfloat16, packed)
+    torch.library.opcheck(torch.ops.specdec.decode_layers, (), kw)
