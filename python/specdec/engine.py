@@ -644,14 +644,15 @@ class Engine:
                         d, depth, accepted_nodes, num_accepted, [s.slot for s in seqs]
                     )
         with timed(self.device, "compact", all_stats):
-            ops.compact_kv(
-                self.cache.k,
-                self.cache.v,
-                self.cache.block_table[slots],
-                self.cache.cache_lens[slots],
-                accepted_nodes,
-                num_accepted,
-            )
+            if d.tokens.shape[1] > 1:  # a root-only step's K / V are already in place
+                ops.compact_kv(
+                    self.cache.k,
+                    self.cache.v,
+                    self.cache.block_table[slots],
+                    self.cache.cache_lens[slots],
+                    accepted_nodes,
+                    num_accepted,
+                )
             self.cache.cache_lens[slots] += num_accepted + 1
         with timed(self.device, "draft", all_stats):
             self.drafter.commit(
