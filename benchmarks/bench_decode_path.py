@@ -3,7 +3,8 @@ bf16) with the eager torch ops and F.linear, with prepacked linears (specdec.pac
 with prepacked linears plus the C++ layer ops (specdec.layer_ops), with each block as one
 C++ call (torch.ops.specdec.decode_layer), those in oneDNN's layout, then (tiles+decode_layer)
 with the products of up to SPECDEC_TILED_ROWS (auto) rows over the weights' tiles
-(torch.ops.specdec.tiled_linear), and with --compile the
+(torch.ops.specdec.tiled_linear), then (tiles+decode_layers, the default) the blocks as one
+torch.ops.specdec.decode_layers call, and with --compile the
 compiled step (specdec.compiled_step: torch.compile with inductor's weight freezing on CPU,
 CUDA graphs on CUDA; --compile-modes for several torch.compile modes; compile time reported
 apart), interleaved in one process (each round times every variant), at tree
@@ -25,12 +26,14 @@ from specdec.loader import load_model
 from specdec_kernels import ops
 from specdec_kernels.testing import time_fn
 
-VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer, tiles for few rows)
-    "eager": (False, False, False, False),
-    "prepacked": (True, False, False, False),
-    "prepacked+layer_ops": (True, True, False, False),
-    "prepacked+decode_layer": (True, True, True, False),
-    "tiles+decode_layer": (True, True, True, True),
+VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer, tiles for few rows,
+    # the blocks as one decode_layers call)
+    "eager": (False, False, False, False, False),
+    "prepacked": (True, False, False, False, False),
+    "prepacked+layer_ops": (True, True, False, False, False),
+    "prepacked+decode_layer": (True, True, True, False, False),
+    "tiles+decode_layer": (True, True, True, True, False),
+    "tiles+decode_layers": (True, True, True, True, True),
 }
 
 
@@ -61,7 +64,7 @@ def main():
     if opts.compile or opts.compile_modes:
         for mode in opts.compile_modes.split(",") if opts.compile_modes else [None]:
             name = "compiled" if mode is None else f"compiled[{mode}]"
-            variants[name] = (False, False, False, False)
+            variants[name] = (False, False, False, False, False)
             steps[name] = compiled_step.CompiledStep(model, mode=mode)
     cache = model.new_cache(1, opts.ctx + 64)
     dev = torch.device(opts.device)
@@ -90,10 +93,10 @@ def main():
             row[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(opts.rounds):
-            for name, (packed, fused, layer, tiles) in variants.items():
+            for name, (packed, fused, layer, tiles, layers) in variants.items():
                 use_tiles(tiles)
                 packed_linear.configure(model, packed)
-                layer_ops.configure(model, fused, decode_layer=layer)
+                layer_ops.configure(model, fused, decode_layer=layer, decode_layers=layers)
                 model.compiled_step = steps.get(name, False)
                 times[name].append(
                     time_fn(model.forward, 2, opts.iters, device=dev, inputs=[args]) * 1e3
@@ -104,6 +107,9 @@ def main():
             row["speedup"] = round(row["eager_ms"] / row["prepacked+decode_layer_ms"], 3)
             row["tiles_speedup"] = round(
                 row["prepacked+decode_layer_ms"] / row["tiles+decode_layer_ms"], 3
+            )
+            row["decode_layers_speedup"] = round(
+                row["tiles+decode_layer_ms"] / row["tiles+decode_layers_ms"], 3
             )
             row["tiled_rows"] = packed_linear.tiled_rows()
         rows.append(row)

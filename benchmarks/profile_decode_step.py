@@ -1,7 +1,8 @@
 """Where one bf16 verify step of the default model goes, by operator class (torch.profiler self
 CPU time), for the eager modules, the CPU decode path with the layer ops op by op, and with each
 block as one decode_layer call, the linears in oneDNN's layout, then (decode_layer+tiles) in
-the tiles' where SPECDEC_TILED_ROWS (auto) takes them; "Python and dispatch" is the wall time the
+the tiles' where SPECDEC_TILED_ROWS (auto) takes them, then (decode_layers+tiles, the default)
+all blocks as one decode_layers call; "Python and dispatch" is the wall time the
 profiled ops do not account for. Wall time is measured apart from the profiled passes.
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:python python benchmarks/profile_decode_step.py --threads 1
@@ -20,18 +21,21 @@ from specdec import layer_ops, packed_linear
 from specdec.loader import load_model
 from specdec_kernels import ops
 
-VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer, tiles for few rows)
-    "eager": (False, False, False, False),
-    "layer_ops": (True, True, False, False),
-    "decode_layer": (True, True, True, False),
-    "decode_layer+tiles": (True, True, True, True),
+VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer, tiles for few rows,
+    # the blocks as one decode_layers call)
+    "eager": (False, False, False, False, False),
+    "layer_ops": (True, True, False, False, False),
+    "decode_layer": (True, True, True, False, False),
+    "decode_layer+tiles": (True, True, True, True, False),
+    "decode_layers+tiles": (True, True, True, True, True),
 }
 
 
 def classify(name: str) -> str:
     if "linear" in name or name in ("aten::mm", "aten::addmm", "aten::matmul"):
         return "linear"
-    if name == "specdec::decode_layer":  # its own time: layer ops, tree_verify, glue
+    if name in ("specdec::decode_layer", "specdec::decode_layers"):  # own time: layer ops,
+        # tree_verify, glue
         return "decode_layer (layer ops + tree_verify)"
     if "tree_verify" in name:
         return "tree_verify"
@@ -58,10 +62,10 @@ def main():
     slots = torch.tensor([0], dtype=torch.int32)
     model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,))], cache, slots)
     rows = []
-    for name, (packed, fused, layer, tiles) in VARIANTS.items():
+    for name, (packed, fused, layer, tiles, layers) in VARIANTS.items():
         use_tiles(tiles)
         packed_linear.configure(model, packed)
-        layer_ops.configure(model, fused, decode_layer=layer)
+        layer_ops.configure(model, fused, decode_layer=layer, decode_layers=layers)
         for T in [int(t) for t in opts.trees.split(",")]:
             parents = torch.arange(-1, T - 1, dtype=torch.int32)[None]
             num_nodes = torch.tensor([T], dtype=torch.int32)

@@ -3,7 +3,8 @@ fused q/k/v projection and SwiGLU of a model's blocks as one op each
 (torch.ops.specdec.rms_norm / add_rms_norm / rope_qkv / silu_and_mul, csrc/cpu/layer_ops.cpp)
 instead of the 5-15 small torch ops of the eager modules; and a verify step's whole block as
 one C++ call (torch.ops.specdec.decode_layer, csrc/cpu/decode_layer.cpp: the same kernels back
-to back, without the ~12 Python-level calls between them).
+to back, without the ~12 Python-level calls between them), and a Transformer's blocks as one
+decode_layers call (the loop over the blocks in C++).
 
 At decode sizes those small ops cost their dispatch, not their arithmetic. `configure(module)`
 switches every RMSNorm, Attention and FeedForward of a module (the target, an EAGLE head) to
@@ -18,7 +19,7 @@ from torch import nn
 
 from specdec_kernels import envs
 
-from .model import Attention, FeedForward, RMSNorm, TransformerBlock
+from .model import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 
 _MODULES = (RMSNorm, Attention, FeedForward, TransformerBlock)
 
@@ -37,14 +38,21 @@ def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
 
 
 def configure(
-    module: nn.Module, setting: bool | str | None = None, decode_layer: bool = True
+    module: nn.Module,
+    setting: bool | str | None = None,
+    decode_layer: bool = True,
+    decode_layers: bool = True,
 ) -> int:
     """Switches the layer ops of module's blocks on if `wanted` (else off) -> how many modules
     use them. decode_layer: whether a verify step's TransformerBlock then runs as one
-    torch.ops.specdec.decode_layer call (the same kernels as its modules, from C++; off only
-    to measure what it saves). Idempotent."""
+    torch.ops.specdec.decode_layer call (the same kernels as its modules, from C++);
+    decode_layers: whether a Transformer's blocks then run as one decode_layers call (else one
+    decode_layer call each). Both off only to measure what they save. Idempotent."""
     on = wanted(module, setting)
     parts = [m for m in module.modules() if isinstance(m, _MODULES)]
     for m in parts:
         m.layer_ops = on and (decode_layer or not isinstance(m, TransformerBlock))
+    for m in module.modules():
+        if isinstance(m, Transformer):
+            m.decode_layers = decode_layers
     return len(parts) if on else 0

@@ -529,6 +529,9 @@ class Transformer(nn.Module):
         # a specdec.compiled_step.CompiledStep that forward() delegates to; None: not decided
         # yet, False: eager (compiled_step.configure)
         self.compiled_step = None
+        # a verify step's blocks as one decode_layers call where they can (layer_ops.configure
+        # turns it off to measure what it saves)
+        self.decode_layers = True
 
     def new_cache(
         self,
@@ -601,6 +604,7 @@ class Transformer(nn.Module):
         blocks: list[TransformerBlock] = list(self.layers._modules.values())  # type: ignore[arg-type]
         if (
             not blocks
+            or not self.__dict__.get("decode_layers", True)
             or meta.mode != "verify"
             or meta.start != 0
             or x.device.type != "cpu"

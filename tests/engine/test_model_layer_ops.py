@@ -5,7 +5,6 @@ bit the modules' result, training untouched."""
 import pytest
 import torch
 
-import specdec.model
 import specdec_kernels.ops as ops
 from specdec import layer_ops, packed_linear
 from specdec.model import Attention, FeedForward, RMSNorm, TransformerBlock
@@ -266,10 +265,10 @@ def test_blocks_as_decode_layers_calls(layout, feature_layers, monkeypatch):
     prepack_as(model, layout, monkeypatch)
     outs = []
     for mode in ("layers", "blocks", "modules"):
-        layer_ops.configure(model, True, decode_layer=mode != "modules")
-        if mode == "blocks":  # the blocks one at a time, each as decode_layer
-            monkeypatch.setattr(specdec.model, "_stack_decode_args", lambda *_: None)
-            model.__dict__.pop("_decode_layers_cache")
+        # "blocks": one at a time, each as decode_layer
+        layer_ops.configure(
+            model, True, decode_layer=mode != "modules", decode_layers=mode == "layers"
+        )
         runs.clear()
         calls.clear()
         torch.manual_seed(0)
