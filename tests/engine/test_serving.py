@@ -484,3 +484,18 @@ def test_bench_serving_rejects_bad_flags(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--serving", *flags])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_warm_up_takes_the_longest_prompt():
+    """The benchmarks' warm-up runs the longest prompt (its prefill packs the weight layouts
+    the timed runs will take), two tokens."""
+    from specdec.apps.common import warm_up
+
+    seen = []
+
+    class Recorder:
+        def generate(self, requests):
+            seen.extend((r.prompt_ids, r.params.max_new_tokens) for r in requests)
+
+    warm_up(Recorder(), [[1, 2], [3, 4, 5, 6], [7, 8, 9]])
+    assert seen == [([3, 4, 5, 6], 2)]

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..drafting import TreeSpec
-from .common import machine_info
+from .common import machine_info, warm_up
 from .hf_baseline import load_hf, run_hf, run_hf_specdec
 from .serving import MULTIPLIERS as SERVING_MULTIPLIERS
 
@@ -50,7 +50,7 @@ def run_ours(
         max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens + 1,
     )
     startup = time.perf_counter() - t0  # adaptive mode measures its cost model here
-    engine.generate([Request(list(prompt_ids[0]), SamplingParams(max_new_tokens=2))])  # warm-up
+    warm_up(engine, prompt_ids)
     requests = [
         Request(list(p), SamplingParams(temperature, seed=seed + i, max_new_tokens=max_new_tokens))
         for i, p in enumerate(prompt_ids)

@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..stats import Stats
+from .common import warm_up
 from .drafter_choice import DrafterChoice
 from .hf_baseline import run_hf
 
@@ -68,7 +69,7 @@ def run_row(
         max_seq_len=max(len(p) for p in prompts) + max_new_tokens + 1,
     )
     startup = time.perf_counter() - t0  # adaptive mode measures its cost model here
-    engine.generate([Request(list(prompts[0]), SamplingParams(max_new_tokens=2))])  # warm-up
+    warm_up(engine, prompts)
     by_category, outputs, per_request = {}, {}, []
     time_s, elapsed, i = dict.fromkeys(Stats().time_s, 0.0), 0.0, 0
     for cat, ps in questions.items():

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from ..stats import PHASES, Stats, percentiles
+from .common import warm_up
 
 MULTIPLIERS = (0.1, 0.3, 0.6, 0.9, 1.2, 1.6)  # auto rates: times the measured plain capacity
 MIN_REQUESTS = 8  # requests per rate never go below this (nor above --num-requests)
@@ -94,7 +95,7 @@ def measure_capacity(
     reqs = _requests(prompt_ids, rounds * batch_size, max_new_tokens, seed)
     max_seq_len = max(len(r.prompt_ids) for r in reqs) + max_new_tokens + 1
     engine = _engine(model, tokenizer, {"tree": "chain:1"}, batch_size, max_seq_len)
-    engine.generate(_requests(prompt_ids, 1, 2, seed))  # warm-up
+    warm_up(engine, [r.prompt_ids for r in reqs])
     t0 = time.perf_counter()
     results, _ = engine.generate(reqs)
     elapsed = time.perf_counter() - t0
@@ -224,7 +225,7 @@ def measure_offline_batch1(
     out = {}
     for name, kw in methods:
         engine = _engine(model, tokenizer, kw, 1, max_seq_len)
-        engine.generate(_requests(prompt_ids, 1, 2, seed))  # warm-up
+        warm_up(engine, [r.prompt_ids for r in reqs])
         _, stats = engine.generate(_requests(prompt_ids, n, max_new_tokens, seed))
         out[name] = {
             "tpot_p50_s": stats.latency.get("tpot_s", {}).get("p50"),
@@ -339,7 +340,7 @@ def run_serving(
     longest = max(len(p) for p in prompt_ids[: max(counts.values())])
     for name, _, _, kw in methods:
         engine = _engine(model, tokenizer, kw, batch_size, longest + max_new_tokens + 1)
-        engine.generate(_requests(prompt_ids, 1, 2, seed))  # warm-up
+        warm_up(engine, prompt_ids[: max(counts.values())])
         rows = {}
         for rate in rates:
             n = counts[rate]
