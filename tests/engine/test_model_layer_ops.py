@@ -285,3 +285,43 @@ def test_blocks_as_decode_layers_calls(layout, feature_layers, monkeypatch):
             assert calls == [mode == "blocks"] * 3
     for a, b, c in zip(*outs):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("layout", ["tiles", None])
+@pytest.mark.parametrize("start,num_new", [(0, 4), (1, 2), (3, 1)])
+def test_eagle_draft_level_as_decode_layer(layout, start, num_new, monkeypatch):
+    """An EAGLE-2 head's layer (identity input norm) on tree nodes start..start+M-1 runs as
+    one decode_layer call, bitwise its modules (hidden and the head's cache)."""
+    from specdec.eagle import EagleHead
+
+    calls = count_decode_layer_calls(monkeypatch)
+    model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
+    head = EagleHead.random(model, version=2, seed=3)
+    with torch.no_grad():  # non-trivial norms and weights
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape).to(p.dtype))
+    prepack_as(head, layout, monkeypatch)
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]], dtype=torch.int32)
+    num_nodes = torch.tensor([4, 3], dtype=torch.int32)
+    mask, depth = ops.build_tree_mask(parents, num_nodes)
+    cache_lens = torch.tensor([5, 9], dtype=torch.int32)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.args.vocab_size, (2, num_new), generator=gen)
+    feats = torch.randn(2, num_new, model.args.dim, generator=gen).to(torch.bfloat16)
+    positions = (cache_lens[:, None] + depth[:, start : start + num_new]).long()
+    outs = []
+    for on in (True, False):
+        layer_ops.configure(head, True, decode_layer=on)
+        calls.clear()
+        cache = head.new_cache(2, 32, block_size=4)
+        with torch.no_grad():
+            cache.k.normal_(generator=torch.Generator().manual_seed(1))
+            cache.v.normal_(generator=torch.Generator().manual_seed(2))
+            hidden = head(
+                tokens, feats, cache, slots, cache_lens, start, num_nodes, mask, positions
+            )
+        assert calls == [on]
+        outs.append((hidden, cache.k, cache.v))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
