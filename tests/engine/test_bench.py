@@ -127,3 +127,55 @@ def test_quick_bench_json_fields_and_plots(models, tmp_path):
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 1000
+
+
+def test_repeats_report_medians_and_every_run():
+    """repeats=3: each batch-1 row is its median run, tokens/s and speedups the medians of the
+    three runs' (same-run ratios), every run's values kept; one run leaves rows as they were."""
+    import statistics
+
+    from specdec.apps.bench import _median_of_runs
+
+    runs = [
+        {"plain": {"tokens_per_s": t, "speedup_vs_plain": 1.0, "n": i}, "x": {"tokens_per_s": u}}
+        for i, (t, u) in enumerate([(10.0, 30.0), (30.0, 31.0), (20.0, 50.0)])
+    ]
+    for run in runs:
+        run["x"]["speedup_vs_plain"] = run["x"]["tokens_per_s"] / run["plain"]["tokens_per_s"]
+    rows = _median_of_runs(runs)
+    assert rows["plain"]["tokens_per_s"] == 20.0 and rows["plain"]["n"] == 2  # the median run
+    assert rows["plain"]["tokens_per_s_runs"] == [10.0, 30.0, 20.0]
+    ratios = [3.0, 31.0 / 30.0, 2.5]
+    assert rows["x"]["speedup_vs_plain_runs"] == ratios
+    assert rows["x"]["speedup_vs_plain"] == statistics.median(ratios)  # not 31 / 20
+    assert _median_of_runs(runs[:1]) is runs[0]
+
+
+def test_repeats_in_run_bench(models):
+    ours, _ = models
+    result = run_bench(
+        ours,
+        CharTokenizer(),
+        None,
+        ["Why is the sky blue?"],
+        max_new_tokens=4,
+        temperatures=(0.0,),
+        chain_ks=(),
+        batch_sizes=(),
+        log=lambda m: None,
+        hostile=False,
+        repeats=2,
+    )
+    plain = result["batch1"]["0.0"]["plain"]
+    assert result["config"]["repeats"] == 2 and len(plain["tokens_per_s_runs"]) == 2
+    assert plain["speedup_vs_plain_runs"] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="repeats"):
+        run_bench(ours, CharTokenizer(), None, ["x"], repeats=0, log=lambda m: None)
+
+
+def test_cli_rejects_bad_repeats(capsys):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--repeats", "0"])
+    assert exc.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err

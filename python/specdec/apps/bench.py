@@ -13,6 +13,7 @@ PREFIX_*.png plots.
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -94,13 +95,17 @@ def run_bench(
     adaptive: str = "adaptive",
     hostile: bool = True,
     llamacpp_ggufs: dict | None = None,
+    repeats: int = 1,
 ) -> dict:
     """Runs every method -> the JSON-ready result: {"config", "batch1": {temperature: {method:
     stats}}, "sweep": {method: {batch_size: stats}}, "hostile": {method: stats}}; outputs
     dropped, exactness noted. llamacpp_ggufs: {label: GGUF} of llamacpp_baseline.bench_ggufs,
-    whose llama.cpp rows join batch 1 (same prompt ids, tokens and threads)."""
+    whose llama.cpp rows join batch 1 (same prompt ids, tokens and threads). repeats: runs of
+    the batch-1 methods, each row then its median (_median_of_runs)."""
     from ..eagle import EagleHead
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     eos = tokenizer.eos_token_ids
     weight = model.tok_embeddings.weight
@@ -113,6 +118,7 @@ def run_bench(
             "chain_ks": list(chain_ks),
             "batch_sizes": list(batch_sizes),
             "seed": seed,
+            "repeats": repeats,
             "threads": torch.get_num_threads(),
             "device": str(weight.device),
             "dtype": str(weight.dtype).removeprefix("torch."),
@@ -124,47 +130,28 @@ def run_bench(
         "sweep": {},
     }
     for temp in temperatures:
-        rows = {}
-        if llamacpp_ggufs:
-            from .llamacpp_baseline import bench_rows
-
-            t0 = time.perf_counter()
-            threads = torch.get_num_threads()
-            rows.update(
-                bench_rows(llamacpp_ggufs, prompt_ids, max_new_tokens, temp, threads, seed, eos)
+        runs = []
+        for rep in range(repeats):  # the methods one after another, the whole list per run
+            if repeats > 1:
+                log(f"[T={temp}] run {rep + 1} of {repeats}")
+            rows = _batch1_rows(
+                model,
+                tokenizer,
+                head,
+                prompt_ids,
+                temp,
+                max_new_tokens,
+                chain_ks,
+                tree,
+                adaptive,
+                hf_model,
+                seed,
+                eos,
+                llamacpp_ggufs,
+                log,
             )
-            log(
-                f"[T={temp}] "
-                + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items())
-                + f" ({time.perf_counter() - t0:.0f}s)"
-            )
-        for name, kind, arg in methods(head, chain_ks, tree, adaptive, hf_model is not None):
-            if kind == "hf" and arg and temp:
-                continue  # HF prompt lookup is greedy-only in our comparison
-            t0 = time.perf_counter()
-            if kind == "hf":
-                rows[name] = run_hf(hf_model, prompt_ids, temp, 1, max_new_tokens, seed, eos, arg)
-            elif kind == "hf_specdec":
-                rows[name] = run_hf_specdec(
-                    hf_model, head, arg, prompt_ids, temp, max_new_tokens, seed, eos
-                )
-            else:
-                rows[name] = run_ours(
-                    model,
-                    tokenizer,
-                    head if arg else None,
-                    arg or "chain:1",
-                    prompt_ids,
-                    temp,
-                    1,
-                    max_new_tokens,
-                    seed,
-                )
-            log(
-                f"[T={temp}] {name}: {rows[name]['tokens_per_s']:.2f} tok/s, acceptance "
-                f"{rows[name]['mean_acceptance_length']} ({time.perf_counter() - t0:.0f}s)"
-            )
-        result["batch1"][str(temp)] = _finish(rows, greedy=temp == 0)
+            runs.append(_finish(rows, greedy=temp == 0))
+        result["batch1"][str(temp)] = _median_of_runs(runs)
     sweep = [("plain", None)] + (
         [(f"eagle_tree({tree})", tree), ("eagle_adaptive", adaptive)] if head is not None else []
     )
@@ -213,6 +200,85 @@ def run_bench(
         )
         result["hostile"] = _finish(rows, greedy=True)
     return result
+
+
+def _batch1_rows(
+    model,
+    tokenizer,
+    head,
+    prompt_ids: list,
+    temp: float,
+    max_new_tokens: int,
+    chain_ks,
+    tree: str,
+    adaptive: str,
+    hf_model,
+    seed: int,
+    eos,
+    llamacpp_ggufs: dict | None,
+    log,
+) -> dict:
+    """One run of every batch-1 method at temperature temp -> {method: stats (with outputs)}."""
+    rows: dict = {}
+    if llamacpp_ggufs:
+        from .llamacpp_baseline import bench_rows
+
+        t0 = time.perf_counter()
+        threads = torch.get_num_threads()
+        rows.update(
+            bench_rows(llamacpp_ggufs, prompt_ids, max_new_tokens, temp, threads, seed, eos)
+        )
+        log(
+            f"[T={temp}] "
+            + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items())
+            + f" ({time.perf_counter() - t0:.0f}s)"
+        )
+    for name, kind, arg in methods(head, chain_ks, tree, adaptive, hf_model is not None):
+        if kind == "hf" and arg and temp:
+            continue  # HF prompt lookup is greedy-only in our comparison
+        t0 = time.perf_counter()
+        if kind == "hf":
+            rows[name] = run_hf(hf_model, prompt_ids, temp, 1, max_new_tokens, seed, eos, arg)
+        elif kind == "hf_specdec":
+            rows[name] = run_hf_specdec(
+                hf_model, head, arg, prompt_ids, temp, max_new_tokens, seed, eos
+            )
+        else:
+            rows[name] = run_ours(
+                model,
+                tokenizer,
+                head if arg else None,
+                arg or "chain:1",
+                prompt_ids,
+                temp,
+                1,
+                max_new_tokens,
+                seed,
+            )
+        log(
+            f"[T={temp}] {name}: {rows[name]['tokens_per_s']:.2f} tok/s, acceptance "
+            f"{rows[name]['mean_acceptance_length']} ({time.perf_counter() - t0:.0f}s)"
+        )
+    return rows
+
+
+def _median_of_runs(runs: list) -> dict:
+    """runs: per run {method: stats} (speedups added by _finish) -> per method its median run
+    by tokens/s, with tokens_per_s and each speedup_vs_* replaced by the median over the runs
+    (speedups are same-run ratios: on a machine whose speed drifts they are what compares) and
+    every run's values kept as "<field>_runs". One run: unchanged."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {}
+    for name in runs[0]:
+        per_run = [run[name] for run in runs]
+        row = dict(sorted(per_run, key=lambda r: r["tokens_per_s"])[(len(per_run) - 1) // 2])
+        for key in [k for k in row if k == "tokens_per_s" or k.startswith("speedup_vs_")]:
+            values = [r[key] for r in per_run]
+            row[key] = statistics.median(values)
+            row[f"{key}_runs"] = values
+        out[name] = row
+    return out
 
 
 def _finish(rows: dict, greedy: bool) -> dict:
@@ -400,6 +466,14 @@ def add_arguments(p):
         "they need llama-cpp-python: pip install 'specdec[llamacpp]')",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of the batch-1 methods, one after another (each row reports its median "
+        "tokens/s and median same-run speedups, every run's in *_runs): a shared machine's "
+        "speed drifts between methods",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument(
         "--output",
@@ -519,6 +593,10 @@ def run(args) -> int:
         )
         args.chain_ks, args.batch_sizes = "4", "1,4"
     TreeSpec.parse(args.tree), TreeSpec.parse(args.adaptive)  # bad specs fail before loading
+    if args.repeats < 1:
+        from ..errors import InvalidRequestError
+
+        raise InvalidRequestError(f"--repeats must be >= 1, got {args.repeats}")
     rates = _serving_rates(args) if args.serving else None
     model, tokenizer = load_model_from_args(args)
     head = _load_head(args, model)
@@ -547,6 +625,7 @@ def run(args) -> int:
         adaptive=args.adaptive,
         hostile=not args.no_hostile,
         llamacpp_ggufs=ggufs,
+        repeats=args.repeats,
     )
     result["config"]["head"] = args.head or "shipped"
     if ggufs:
