@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-from common import use_tiles, write_json
+from common import configure_decode_path, write_json
 
 from specdec import compiled_step, layer_ops, packed_linear
 from specdec.loader import load_model
@@ -93,10 +93,8 @@ def main():
             row[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(opts.rounds):
-            for name, (packed, fused, layer, tiles, layers) in variants.items():
-                use_tiles(tiles)
-                packed_linear.configure(model, packed)
-                layer_ops.configure(model, fused, decode_layer=layer, decode_layers=layers)
+            for name, variant in variants.items():
+                configure_decode_path(model, *variant)
                 model.compiled_step = steps.get(name, False)
                 times[name].append(
                     time_fn(model.forward, 2, opts.iters, device=dev, inputs=[args]) * 1e3

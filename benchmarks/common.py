@@ -230,3 +230,16 @@ def use_tiles(on: bool) -> None:
         os.environ.pop("SPECDEC_TILED_ROWS", None)
     else:
         os.environ["SPECDEC_TILED_ROWS"] = "0"
+
+
+def configure_decode_path(
+    model, packed: bool, fused: bool, layer: bool, tiles: bool, layers: bool
+) -> None:
+    """One variant of the CPU decode path on model: prepacked linears, the layer ops, each
+    block as one decode_layer call, tiles for few rows (use_tiles), the blocks as one
+    decode_layers call (the decode-path benchmarks' VARIANTS tuples, in that order)."""
+    from specdec import layer_ops, packed_linear
+
+    use_tiles(tiles)
+    packed_linear.configure(model, packed)
+    layer_ops.configure(model, fused, decode_layer=layer, decode_layers=layers)

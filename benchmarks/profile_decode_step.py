@@ -14,10 +14,10 @@ import json
 import time
 
 import torch
-from common import use_tiles
+from common import configure_decode_path
 from torch.profiler import profile
 
-from specdec import layer_ops, packed_linear
+from specdec import packed_linear
 from specdec.loader import load_model
 from specdec_kernels import ops
 
@@ -62,10 +62,8 @@ def main():
     slots = torch.tensor([0], dtype=torch.int32)
     model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,))], cache, slots)
     rows = []
-    for name, (packed, fused, layer, tiles, layers) in VARIANTS.items():
-        use_tiles(tiles)
-        packed_linear.configure(model, packed)
-        layer_ops.configure(model, fused, decode_layer=layer, decode_layers=layers)
+    for name, variant in VARIANTS.items():
+        configure_decode_path(model, *variant)
         for T in [int(t) for t in opts.trees.split(",")]:
             parents = torch.arange(-1, T - 1, dtype=torch.int32)[None]
             num_nodes = torch.tensor([T], dtype=torch.int32)
