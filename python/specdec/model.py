@@ -605,15 +605,13 @@ class Transformer(nn.Module):
         if (
             not blocks
             or not self.__dict__.get("decode_layers", True)
+            or any(type(b) is not TransformerBlock for b in blocks)
+            or not use_layer_ops(blocks[0], x)  # the others' flags: _stack_decode_args
             or meta.mode != "verify"
             or meta.start != 0
-            or x.device.type != "cpu"
-            or torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
             or cos.dtype != x.dtype
             or cos.shape[:2] != x.shape[:2]
             or (not meta.packed and x.shape[1] != meta.tree_mask.shape[1])  # type: ignore[union-attr]
-            or any(type(b) is not TransformerBlock for b in blocks)
         ):
             return None
         key = (
