@@ -25,7 +25,11 @@ Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target
     plain decoding's 1 / verify(1), the step is plain (no drafting at all); a probe
     step every `probe` plain steps keeps the statistics fresh, and the probe interval doubles
     (up to MAX_PROBE) while probes lose;
- 2. depth: another draft level is drafted only while its best case raises E / time;
+ 2. depth and width: another draft level is drafted only while it raises E / time, and it
+    expands the w best frontier nodes for the w that pays best (expand_width): each expanded
+    node is worth its best child, valued from the recent best children's confidence at that
+    depth and frontier rank, against the level's cost at that width (the cost model times
+    levels TOPK nodes wide and one node wide; a level's cost is linear in between);
  3. size: the N most likely nodes maximizing E / (draft time + verify(N + 1)) are verified.
     Per request (the default, `per_request`): the target's verify forward computes only the
     real nodes of each tree (model.Transformer.forward packs them), so a step costs about
@@ -45,7 +49,11 @@ not the start-up's uniform one. The engine reports each step's wall time; per ki
 speculative) the policy keeps the decayed ratio of measured to predicted seconds and prices
 rule 1 with it. Without it, at batch 16-64 on a CPU, where a plain step is compute-bound and
 speculation is near break-even by the cost model, adaptive mode lost 8-11% to plain decoding.
-Rules 2 and 3 compare speculative steps with each other, so one factor does not change them.
+Rules 2 and 3 compare speculative steps with each other, so one factor does not change them;
+but they weigh draft levels against verify sizes, and a level run in a step (after the target
+forward has swept the caches) is slower than the start-up loop timed it: on CPU the drafter's
+levels are timed as they run (Policy.observe_level) and their decayed measured / predicted
+ratio scales the levels' costs (draft_cost).
 
 Every step is an ordinary speculative step (exact for any tree), so the outputs follow the
 target exactly; only the speed depends on these choices.
@@ -55,6 +63,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import specdec_kernels.ops as ops
@@ -77,21 +86,27 @@ REQUEST_PRIOR = 1.0
 # one step's ratio is clipped to (a step that waited on something else, e.g. the first call
 # of a kernel, must not price its kind out for good)
 CALIBRATION_PRIOR, CALIBRATION_CLIP = 4.0, (0.5, 2.0)
+# draft levels in the steps against the cost model's (Policy.observe_level): one level's ratio
+# is clipped wider than a step's, cold caches more than double a small level's time
+LEVEL_CLIP = (0.25, 4.0)
 
 
 @dataclass
 class CostModel:
     """verify_tokens / verify_s: seconds of one target forward over a batch of `batch_size`
-    trees of T nodes, at the measured T; draft_s[l - 1]: seconds of drafting l levels.
-    others: the same at other batch sizes, dicts with these four keys; verify() and draft()
-    given a batch interpolate linearly between the measured batch sizes (outside them: the
-    nearest one's costs)."""
+    trees of T nodes, at the measured T; draft_s[l - 1]: seconds of drafting l levels, each
+    level past the first expanding TOPK frontier nodes; draft_narrow_s[l - 1]: the same with
+    those levels expanding one node each (empty: the width does not change the cost, as for
+    drafters that did not time it). others: the same at other batch sizes, dicts with these
+    keys; verify() and draft() given a batch interpolate linearly between the measured batch
+    sizes (outside them: the nearest one's costs)."""
 
     batch_size: int
     verify_tokens: list
     verify_s: list
     draft_s: list
     others: list = field(default_factory=list)
+    draft_narrow_s: list = field(default_factory=list)
 
     def verify(self, T: int, batch: int | None = None) -> float:
         """Linear interpolation (and extrapolation past the last point) in T."""
@@ -100,12 +115,17 @@ class CostModel:
     def draft(self, levels: int, batch: int | None = None) -> float:
         return self._at(batch, lambda c: _draft(c["draft_s"], levels))
 
+    def draft_narrow(self, levels: int, batch: int | None = None) -> float:
+        """draft() with the levels past the first one node wide (draft() when not timed)."""
+        return self._at(batch, lambda c: _draft(c.get("draft_narrow_s") or c["draft_s"], levels))
+
     def _at(self, batch, f) -> float:
         mine = dict(
             batch_size=self.batch_size,
             verify_tokens=self.verify_tokens,
             verify_s=self.verify_s,
             draft_s=self.draft_s,
+            draft_narrow_s=self.draft_narrow_s,
         )
         if batch is None or not self.others:
             return f(mine)
@@ -153,6 +173,7 @@ class CostModel:
                     verify_tokens=c.verify_tokens,
                     verify_s=c.verify_s,
                     draft_s=c.draft_s,
+                    draft_narrow_s=c.draft_narrow_s,
                 )
             )
         return main
@@ -197,22 +218,34 @@ class CostModel:
         head_cache.cache_lens.fill_(context)
         hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
         roots = torch.zeros(B, dtype=torch.long, device=dev)
-        draft_s = [
-            median_time(
-                lambda levels=levels: draft_dynamic(
-                    TreeSpec("dynamic", levels, spec.topk, spec.total),
-                    head,
-                    hidden,
-                    head_cache,
-                    slots,
-                    roots,
-                ),
-                repeats,
-                dev,
+
+        def draft_s(width: int) -> list:  # levels past the first expand `width` nodes
+            return monotone(
+                [
+                    median_time(
+                        lambda levels=levels: draft_dynamic(
+                            TreeSpec("dynamic", levels, spec.topk, spec.total),
+                            head,
+                            hidden,
+                            head_cache,
+                            slots,
+                            roots,
+                            width=width,
+                        ),
+                        repeats,
+                        dev,
+                    )
+                    for levels in range(1, spec.depth + 1)
+                ]
             )
-            for levels in range(1, spec.depth + 1)
-        ]
-        return cls(B, sizes[: len(verify_s)], monotone(verify_s), monotone(draft_s))
+
+        return cls(
+            B,
+            sizes[: len(verify_s)],
+            monotone(verify_s),
+            draft_s(spec.topk),
+            draft_narrow_s=draft_s(1) if spec.topk > 1 and spec.depth > 1 else [],
+        )
 
 
 def monotone(ys: list) -> list:
@@ -281,8 +314,16 @@ class Policy:
 
     def __init__(self, cost: CostModel, spec, per_request: bool = True):
         self.cost, self.spec, self.per_request = cost, spec, per_request
-        self.accepted = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
-        self.confidence = torch.full((spec.depth,), PRIOR, dtype=torch.float64)
+        # the policy's statistics and arithmetic live on the host, in numpy: a step's few
+        # dozen operations on [B, C] values cost ~1 us each there against ~5-10 us as torch
+        # calls (~0.9 ms a step at batch 1, 6% of a CPU step); the tensors it reads come over
+        # in one transfer per call
+        self.accepted = np.full(spec.depth, PRIOR)
+        self.confidence = np.full(spec.depth, PRIOR)
+        # per depth and rank in the frontier, decayed: the summed confidence of an expanded
+        # node's best child and the count of expansions behind it (PRIOR pseudo-counts of
+        # confidence 1: at first a level is priced at its best case)
+        self.best_child = np.full((2, spec.depth, spec.topk), PRIOR)
         # decayed sums over speculative steps: steps, tokens per request, draft levels, nodes
         self.spec_steps = self.spec_tokens = self.spec_levels = self.spec_nodes = 0.0
         self.spec_tokens_sq = 0.0  # decayed sum of squared tokens per step (their spread)
@@ -301,6 +342,20 @@ class Policy:
         # steps' measured / predicted seconds and their decayed count, each with
         # CALIBRATION_PRIOR pseudo-steps at 1; the mean scales the kind's costs in rule 1
         self.step_ratios = {kind: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for kind in (False, True)}
+        self.level_ratios = [CALIBRATION_PRIOR, CALIBRATION_PRIOR]  # the same for draft levels
+        # per batch size, from the cost model: verify(1 .. TOTAL) and the draft levels' costs
+        self._curves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._curves_of: CostModel | None = None
+        # the widths this step's levels past the first were drafted at (expand_width)
+        self.widths: list[int] = []
+
+    def new_step(self, slots: list) -> None:
+        """A step begins for the requests in these engine slots (its rows, in order): the
+        costs are priced at its live occupancy, and nothing is drafted yet."""
+        self.batch = len(slots)
+        self.slots = slots
+        self.levels = 0
+        self.widths = []
 
     # ------------------------------------------------------------------ 1. plain or not
     def calibration(self, speculative: bool) -> float:
@@ -317,7 +372,10 @@ class Policy:
         """The tree size a step's verify cost is priced at: num_nodes int [B] of trees padded
         to T; per request the mean real size (the forward computes the real nodes only),
         else the padded T."""
-        return float(num_nodes.double().mean()) if self.per_request else float(T)
+        if not self.per_request:
+            return float(T)
+        sizes = num_nodes.tolist()
+        return sum(sizes) / len(sizes)
 
     def observe_time(self, seconds: float, speculative: bool, levels: float, nodes: float) -> None:
         """A step took `seconds` (wall, the whole step: drafting to the KV commit); it was
@@ -376,62 +434,179 @@ class Policy:
         return False
 
     # ------------------------------------------------------------------ 2. and 3. tree shape
-    def node_value(self, parent_value, logprob, depth: int):
+    def node_value(self, parent_value, logprob, depth: int, children: bool = False):
         """P(accepted) of new candidates: parent_value [B, K] or None (children of the root),
-        logprob [B, K, C] / [B, C] (the head's log-probability of each child), depth >= 1."""
+        logprob [B, K, C] / [B, C] (the head's log-probability of each child), depth >= 1.
+        children: logprob [B, W, C] holds the C children of each of the W expanded nodes, in
+        frontier order (grow_dynamic): each rank's best child's confidence is recorded for
+        expand_width."""
         ratio = float(self.accepted[depth - 1] / self.confidence[depth - 1])
-        local = (logprob.float().exp() * ratio).clamp(max=1.0)
+        conf = logprob.float().exp()
+        if children:
+            top = _host(conf.amax(-1).mean(0))  # [W]: by the expanded node's rank
+            seen = self.best_child[:, depth - 1, : len(top)]
+            seen *= DECAY
+            seen[0] += top
+            seen[1] += 1.0
+        local = (conf * ratio).clamp(max=1.0)
         return local if parent_value is None else parent_value[..., None] * local
 
-    def prefix_values(self, values: torch.Tensor) -> list:
-        """Candidate values [B, C] -> [s_1, s_2, ...]: expected accepted drafts per request of
-        the n most likely candidates. Batch-level: n per request, the batch mean (C entries).
-        Per request: n over the whole batch, best first, divided by B (B * C' entries, C' =
-        min(C, TOTAL - 1): entry M is the mean over requests when the batch keeps its M best
-        nodes, about M / B per request)."""
-        values = values.sort(dim=1, descending=True).values
+    def prefix_values(self, values) -> np.ndarray:
+        """Candidate values [B, C] (tensor or array) -> [s_1, s_2, ...]: expected accepted
+        drafts per request of the n most likely candidates. Batch-level: n per request, the
+        batch mean (C entries). Per request: n over the whole batch, best first, divided by B
+        (B * C' entries, C' = min(C, TOTAL - 1): entry M is the mean over requests when the
+        batch keeps its M best nodes, about M / B per request)."""
+        values = _descending(_host(values))
         if not self.per_request:
-            return values.cumsum(1).mean(0).tolist()
+            return values.cumsum(1).mean(0)
         B = values.shape[0]
-        top = values[:, : self.spec.total - 1].flatten()
-        return (top.sort(descending=True).values.cumsum(0) / B).tolist()
+        top = values[:, : self.spec.total - 1].ravel()
+        return np.sort(top)[::-1].cumsum() / B
 
-    def best(self, sums: list, levels: int, extra_nodes: int = 0, gain: float = 0.0, rows: int = 1):
+    def _curves_at(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(verify(T) at T = 1 .. TOTAL, draft(l), draft_narrow(l) at l = 1 .. DEPTH + 1) at
+        this batch, computed once per batch size (the cost model is fixed once measured)."""
+        if self._curves_of is not self.cost:  # a new cost model: forget the old curves
+            self._curves, self._curves_of = {}, self.cost
+        curves = self._curves.get(batch)
+        if curves is None:
+            levels = range(1, self.spec.depth + 2)
+            curves = self._curves[batch] = (
+                np.array([self.cost.verify(T, batch) for T in range(1, self.spec.total + 1)]),
+                np.array([self.cost.draft(lv, batch) for lv in levels]),
+                np.array([self.cost.draft_narrow(lv, batch) for lv in levels]),
+            )
+        return curves
+
+    def draft_cost(self, levels: int, widths: list | None = None) -> float:
+        """Seconds of drafting `levels` levels at the live occupancy, level l >= 2 expanding
+        widths[l - 2] frontier nodes (default: this step's, self.widths; TOPK where unknown):
+        per level, linear in the width between its one-node and its TOPK-node cost, times
+        what such levels were measured to take in the steps (observe_level)."""
+        if levels < 1:
+            return 0.0
+        widths = self.widths if widths is None else widths
+        K = self.spec.topk
+        more = sum(
+            self._level_s(lv, widths[lv - 2] if lv - 2 < len(widths) else K)
+            for lv in range(2, levels + 1)
+        )
+        return float(self._curves_at(self.batch)[1][0] + more * self.level_factor())
+
+    def _level_s(self, level: int, width: int) -> float:
+        """The cost model's seconds of draft level `level` >= 2 at `width` nodes."""
+        _, full, narrow = self._curves_at(self.batch)
+        wide = full[level - 1] - full[level - 2]
+        one = min(narrow[level - 1] - narrow[level - 2], wide)
+        K = self.spec.topk
+        return wide if K <= 1 else one + (wide - one) * (min(width, K) - 1) / (K - 1)
+
+    def level_factor(self) -> float:
+        """Measured over predicted seconds of recent draft levels past the first (1: none)."""
+        ratios, levels = self.level_ratios
+        return ratios / levels
+
+    def observe_level(self, seconds: float, levels: int, width: int, device=None) -> None:
+        """Draft level `levels + 1`, `width` nodes wide, took `seconds` in a step
+        (grow_dynamic times it on CPU): the start-up timing ran the levels in a loop, warm,
+        while a step runs them after the target forward has swept the caches, so the
+        decayed ratio of measured to predicted level seconds scales them (draft_cost).
+        Under tensor parallelism every rank takes the same time (agree_time), so that the
+        ranks keep choosing the same trees."""
+        if agree_time is not None:
+            seconds = agree_time(seconds, device)
+        predicted = self._level_s(levels + 1, width)
+        if not predicted > 0 or not seconds >= 0:
+            return
+        lo, hi = LEVEL_CLIP
+        st = self.level_ratios
+        st[0] = DECAY * st[0] + min(max(seconds / predicted, lo), hi)
+        st[1] = DECAY * st[1] + 1.0
+
+    def best(
+        self,
+        sums,
+        levels: int,
+        extra_nodes: int = 0,
+        gain: float = 0.0,
+        rows: int = 1,
+        widths: list | None = None,
+    ) -> tuple[float, int]:
         """-> (rate, n): the best expected tokens per second over the n most likely
-        candidates (sums from prefix_values), drafting `levels` levels; gain (with
-        extra_nodes more nodes per request) is the optimistic value of one more level.
-        Per request (sums over the batch's `rows` requests) the n-th candidate adds 1 / rows
-        node to the mean tree size, whose verify cost is interpolated between whole sizes
-        (the forward computes the real nodes only)."""
-        B = self.batch
-        draft = self.cost.draft(levels, B)
-        # verify(T) at T = 1 .. TOTAL, once: piecewise linear between whole T (the measured
-        # sizes are whole), so the mean sizes below interpolate exactly
-        whole = [self.cost.verify(T, B) for T in range(1, self.spec.total + 1)]
-        best_rate, best_n = 1.0 / (draft + whole[0]), 0
+        candidates (sums from prefix_values), drafting `levels` levels (at `widths`, see
+        draft_cost); gain (with extra_nodes more nodes per request) is the optimistic value
+        of one more level. Per request (sums over the batch's `rows` requests) the n-th
+        candidate adds 1 / rows node to the mean tree size, whose verify cost is interpolated
+        between whole sizes (the forward computes the real nodes only). Ties go to the
+        smallest n."""
+        draft = np.array([self.draft_cost(levels, widths)])
+        rates, ns = self._best_rates(sums, draft, np.array([extra_nodes]), np.array([gain]), rows)
+        return float(rates[0]), int(ns[0])
+
+    def _best_rates(
+        self, sums, draft: np.ndarray, extra: np.ndarray, gain: np.ndarray, rows: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """best() for several options at once: draft, extra, gain [O] -> (rate, n) [O]
+        (one numpy pass: expand_width prices every width of a level)."""
+        # verify(T) is piecewise linear between whole T (the measured sizes are whole), so
+        # the mean sizes below interpolate exactly
+        whole = self._curves_at(self.batch)[0]
+        plain = 1.0 / (draft + whole[0])  # n = 0: the root alone
         step = 1.0 / rows if self.per_request else 1.0
         limit = len(sums) if self.per_request else min(len(sums), self.spec.total - 1)
-        for n in range(1, limit + 1):
-            x = min(n * step + extra_nodes, self.spec.total - 1)  # drafts per request, mean
-            lo = int(x)
-            verify = whole[lo] + (whole[min(lo + 1, len(whole) - 1)] - whole[lo]) * (x - lo)
-            rate = (1.0 + sums[n - 1] + gain) / (draft + verify)
-            if rate > best_rate:
-                best_rate, best_n = rate, n
-        return best_rate, best_n
+        if limit < 1:
+            return plain, np.zeros(len(draft), dtype=np.int64)
+        n = np.arange(1, limit + 1)
+        # drafts per request, mean: [O, limit]
+        x = np.minimum(n[None] * step + extra[:, None], self.spec.total - 1)
+        lo = x.astype(np.int64)
+        hi = np.minimum(lo + 1, len(whole) - 1)
+        verify = whole[lo] + (whole[hi] - whole[lo]) * (x - lo)
+        tokens = 1.0 + np.asarray(sums[:limit], dtype=np.float64)[None] + gain[:, None]
+        rate = tokens / (draft[:, None] + verify)
+        i = rate.argmax(1)  # the first of equal rates: the smallest tree
+        top = rate[np.arange(len(draft)), i]
+        better = top > plain
+        return np.where(better, top, plain), np.where(better, i + 1, 0)
+
+    def expand_width(self, levels: int, values: torch.Tensor, frontier_values: torch.Tensor) -> int:
+        """After `levels` draft levels with candidate values [B, C]: how many of the
+        frontier's nodes (frontier_values [B, W], best first) one more level should expand,
+        0 for none (drafting stops). Each width's worth: every expanded node's best child,
+        valued as node_value values a child of the mean confidence of the recent best
+        children at that depth and frontier rank, against the level's cost at that width
+        (draft_cost); the width with the best expected rate wins, if it beats stopping.
+        Records the choice in self.widths (this step's levels)."""
+        del self.widths[max(levels - 1, 0) :]  # levels 2 .. `levels` of this step
+        if levels >= self.spec.depth:
+            return 0
+        sums, rows = self.prefix_values(values), values.shape[0]
+        widths = self.widths + [self.spec.topk] * (levels - 1 - len(self.widths))
+        ratio = float(self.accepted[levels] / self.confidence[levels])
+        frontier = _host(frontier_values)  # [B, W]
+        seen = self.best_child[:, levels, : frontier.shape[1]]
+        child = np.minimum(ratio * seen[0] / seen[1], 1.0)  # [W]: a best child's value, by rank
+        gains = (frontier * child).cumsum(1).mean(0)  # [W]: the first w expanded
+        # option 0: stop here; option w: one more level, w nodes wide, whose cost is linear
+        # in w (draft_cost: priced at the two ends)
+        options = np.arange(len(gains) + 1)
+        now, one, wide = (
+            self.draft_cost(lv, widths + [w])
+            for lv, w in ((levels, 0), (levels + 1, 1), (levels + 1, self.spec.topk))
+        )
+        draft = one + (wide - one) * (options - 1) / max(self.spec.topk - 1, 1)
+        draft[0] = now
+        rates, _ = self._best_rates(sums, draft, options, np.r_[0.0, gains], rows)
+        choice = int(rates.argmax())  # ties: the narrowest, stopping first
+        if choice:
+            self.widths[:] = widths + [choice]
+        return choice
 
     def expand(self, levels: int, values: torch.Tensor, frontier_values: torch.Tensor) -> bool:
-        """After `levels` draft levels with candidate values [B, C]: is one more level worth it?
-        Its best case: the frontier's children are accepted as often as the next depth's ratio
-        allows."""
-        if levels >= self.spec.depth:
-            return False
-        sums, rows = self.prefix_values(values), values.shape[0]
-        now, _ = self.best(sums, levels, rows=rows)
-        ratio = min(1.0, float(self.accepted[levels] / self.confidence[levels]))
-        gain = float(frontier_values.sum(1).mean()) * ratio
-        later, _ = self.best(sums, levels + 1, frontier_values.shape[1], gain, rows)
-        return later > now
+        """After `levels` draft levels with candidate values [B, C]: is one more level worth it
+        (at its best width, expand_width)?"""
+        return self.expand_width(levels, values, frontier_values) > 0
 
     def size(self, values: torch.Tensor, levels: int) -> int:
         """One tree size for every request (the batch-level rule; B = 1: the same as sizes)."""
@@ -463,21 +638,22 @@ class Policy:
         if not self.per_request:
             n = self.best(self.prefix_values(values), levels)[1]
             return torch.full((B,), n, dtype=torch.long, device=values.device)
+        host = _host(values)
         # each request's own record, against the others': a lone request's record would
         # count the shared statistics' own evidence twice (a few rejected drafts pushed its
         # values below what a 1-node tree needs, those steps verified nothing, and nothing
         # new was learnt)
         if self.slots is not None and len(self.slots) == B and B > 1:
-            f = torch.tensor([self.request_factor(s) for s in self.slots], device=values.device)
-            values = (values * f[:, None].to(values.dtype)).clamp(max=1.0)
-        M = self.best(self.prefix_values(values), levels, rows=B)[1]
-        top = values.sort(dim=1, descending=True).values[:, : self.spec.total - 1]
+            f = np.array([self.request_factor(s) for s in self.slots])
+            host = np.minimum(host * f[:, None], 1.0)
+        M = self.best(self.prefix_values(host), levels, rows=B)[1]
+        top = _descending(host)[:, : self.spec.total - 1]
         # the M best of the batch; a stable sort takes, among equal values, a row's earlier
         # candidates first, so each row keeps a prefix of its own ranking
-        pick = top.flatten().sort(descending=True, stable=True).indices[:M]
-        counts = torch.zeros(top.numel(), dtype=torch.long, device=values.device)
+        pick = np.argsort(-top.ravel(), kind="stable")[:M]
+        counts = np.zeros(top.size, dtype=np.int64)
         counts[pick] = 1
-        return counts.view(B, -1).sum(1)
+        return torch.from_numpy(counts.reshape(B, -1).sum(1)).to(values.device)
 
     # ------------------------------------------------------------------ learning
     def observe(self, d, depth, accepted_nodes, num_accepted, slots=None):
@@ -485,25 +661,29 @@ class Policy:
         accepted_nodes / num_accepted from tree_rejection_sample; slots: the rows' requests
         (their own statistics, see request_factor)."""
         B, T = d.tokens.shape
-        node = torch.arange(T, device=d.tokens.device)
-        on_path = torch.zeros(B, T + 1, dtype=torch.bool, device=d.tokens.device)
-        on_path.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes.long(), T), True)
+        parents = _host(d.parents).astype(np.int64)
+        accepted = _host(accepted_nodes).astype(np.int64)
+        num_nodes = _host(d.num_nodes)
+        confidence = _host(d.confidence)
+        rows = np.arange(B)[:, None]
+        on_path = np.zeros((B, T + 1), dtype=bool)
+        on_path[rows, np.where(accepted >= 0, accepted, T)] = True
         on_path = on_path[:, :T]
-        valid = (node[None] < d.num_nodes[:, None]) & (d.parents >= 0)
-        tried = valid & on_path.gather(1, d.parents.long().clamp(min=0))
-        dep = (depth.long() - 1).clamp(min=0)[tried]
+        valid = (np.arange(T)[None] < num_nodes[:, None]) & (parents >= 0)
+        tried = valid & on_path[rows, np.maximum(parents, 0)]
+        node_depth = np.maximum(_host(depth).astype(np.int64) - 1, 0)  # depth 1 -> index 0
+        dep = node_depth[tried]
         D = self.spec.depth
-        # one host transfer: per depth, summed confidence and accepted count of the tried nodes
-        sums = torch.zeros(2, D, dtype=torch.float64, device=dep.device)
-        sums[0].index_add_(0, dep, d.confidence[tried].double())
-        sums[1].index_add_(0, dep, on_path[tried].double())
-        conf, acc = sums.cpu()
+        # per depth, summed confidence and accepted count of the tried nodes (np.add.at
+        # raises on a depth past D, as index_add_ did)
+        conf, acc = np.zeros(D), np.zeros(D)
+        np.add.at(conf, dep, confidence[tried])
+        np.add.at(acc, dep, on_path[tried])
         if slots is not None:  # per request: accepted vs predicted (before this update)
-            ratio = (self.accepted / self.confidence).to(d.confidence.device)
-            predicted = torch.zeros(B, T, dtype=torch.float64, device=dep.device)
-            predicted[tried] = (ratio[dep] * d.confidence[tried].double()).clamp(max=1.0)
-            per_row = torch.stack([(on_path & tried).double().sum(1), predicted.sum(1)], 1).tolist()
-            for slot, (a, e) in zip(slots, per_row):
+            ratio = self.accepted / self.confidence
+            predicted = np.where(tried, np.minimum(ratio[node_depth] * confidence, 1.0), 0.0)
+            hits = (on_path & tried).sum(1)
+            for slot, a, e in zip(slots, hits.tolist(), predicted.sum(1).tolist()):
                 st = self.request_stats.setdefault(int(slot), [0.0, 0.0])
                 st[0], st[1] = DECAY * st[0] + a, DECAY * st[1] + e
         self.confidence = DECAY * self.confidence + conf
@@ -512,9 +692,25 @@ class Policy:
         floor = PRIOR * (1 - DECAY)
         self.confidence += floor
         self.accepted += floor
-        tokens = float((num_accepted.double() + 1).mean())
+        tokens = float((_host(num_accepted).astype(np.float64) + 1).mean())
         self.spec_steps = DECAY * self.spec_steps + 1.0
         self.spec_tokens = DECAY * self.spec_tokens + tokens
         self.spec_tokens_sq = DECAY * self.spec_tokens_sq + tokens * tokens
         self.spec_levels = DECAY * self.spec_levels + self.levels
         self.spec_nodes = DECAY * self.spec_nodes + self.step_nodes(d.num_nodes, T)
+
+
+def _host(t) -> np.ndarray:
+    """A tensor's values as a float64 / int numpy array on the host (one transfer; a CPU
+    tensor's float64 or integer values are not copied). Arrays pass through."""
+    if isinstance(t, np.ndarray):
+        return t
+    t = t.detach()
+    if t.is_floating_point() and t.dtype != torch.float64:
+        t = t.double()
+    return t.cpu().numpy()
+
+
+def _descending(values: np.ndarray) -> np.ndarray:
+    """Each row of values [B, C] sorted, largest first."""
+    return -np.sort(-values, axis=1)

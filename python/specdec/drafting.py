@@ -18,6 +18,7 @@ same batch put a one-hot q on their argmax (equivalent to a point mass).
 """
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -254,9 +255,10 @@ class DynamicTree:
     real: torch.Tensor
 
 
-# expand(front_tok: long [B, K] target ids, front_cand: long [B, K] their candidate numbers,
-# from_front: long [B, K] index of each one's parent in the previous frontier (None at
-# depth 1, where every parent is the root), depth) -> the drafter's logits at each [B, K, V']
+# expand(front_tok: long [B, W] target ids, front_cand: long [B, W] their candidate numbers,
+# from_front: long [B, W] index of each one's parent in the previous level's expanded nodes
+# (None at depth 1, where every parent is the root), depth) -> the drafter's logits at each
+# [B, W, V']; W <= TOPK, the level's width (grow_dynamic)
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 
 
@@ -267,6 +269,7 @@ def grow_dynamic(
     expand: Expand,
     policy=None,
     to_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    width: int | None = None,
 ) -> DynamicTree:
     """EAGLE-2's dynamic tree over any drafter: expand the TOPK best frontier nodes per level
     (by cumulative log-prob), keep the best TOTAL - 1 candidates.
@@ -283,8 +286,12 @@ def grow_dynamic(
     policy (adaptive.Policy, optional) decides whether to draft each further level and how
     many candidates each request keeps, ranked by its predicted acceptance (also <= the
     parent's); the tree is then only as wide as the largest request's (T = max N_b + 1),
-    the smaller ones padded, and carries each node's confidence."""
+    the smaller ones padded, and carries each node's confidence. It also chooses how many of
+    the frontier's best nodes each level expands (policy.expand_width: a level's cost grows
+    with its rows, and the best node's children are most of its worth); without a policy
+    every level expands `width` (default TOPK) of them."""
     B, K, D = root_tokens.shape[0], spec.topk, spec.depth
+    width = K if width is None else width
     dev = root_tokens.device
     to_target = to_target or (lambda t: t)
 
@@ -298,25 +305,39 @@ def grow_dynamic(
     cand_values = [front_value]
     num_cand, levels = K, 1
     for d in range(1, D):
-        if policy is not None and not policy.expand(levels, torch.cat(cand_values, 1), front_value):
-            break
-        child_logits = expand(front_tok, front_cand, from_front, d)  # [B, K, V']
-        child_lp, child_tok = torch.log_softmax(child_logits, -1).topk(K, dim=-1)  # [B, K, K]
+        # how many frontier nodes to expand: the best `width` of them (topk's order)
+        if policy is not None:
+            width = int(policy.expand_width(levels, torch.cat(cand_values, 1), front_value))
+            if width < 1:
+                break
+        width = min(width, K)
+        if width < front_tok.shape[1]:
+            front_tok, front_cand, scores = (t[:, :width] for t in (front_tok, front_cand, scores))
+            if front_value is not None:
+                front_value = front_value[:, :width]
+            if from_front is not None:
+                from_front = from_front[:, :width]
+        start = time.perf_counter()
+        child_logits = expand(front_tok, front_cand, from_front, d)  # [B, width, V']
+        child_lp, child_tok = torch.log_softmax(child_logits, -1).topk(K, dim=-1)  # [B, width, K]
+        if policy is not None and child_lp.device.type == "cpu":  # GPU: the launches' time only
+            policy.observe_level(time.perf_counter() - start, levels, width, child_lp.device)
         child_tok = to_target(child_tok)
-        child_scores = (scores[:, :, None] + child_lp).flatten(1)  # [B, K*K]
+        child_scores = (scores[:, :, None] + child_lp).flatten(1)  # [B, width*K]
         cand_scores.append(child_scores)
         cand_tokens.append(child_tok.flatten(1))
         cand_lp.append(child_lp.flatten(1))
-        cand_parents.append(front_cand[:, :, None].expand(B, K, K).flatten(1))
+        cand_parents.append(front_cand[:, :, None].expand(B, width, K).flatten(1))
         scores, best = child_scores.topk(K, dim=-1)  # next frontier
         if policy is not None:
-            child_value = policy.node_value(front_value, child_lp, depth=d + 1).flatten(1)
+            child_value = policy.node_value(front_value, child_lp, d + 1, children=True)
+            child_value = child_value.flatten(1)
             cand_values.append(child_value)
             front_value = child_value.gather(1, best)
         front_cand = num_cand + best
         front_tok = child_tok.flatten(1).gather(1, best)
         from_front = best // K
-        num_cand += K * K
+        num_cand += width * K
         levels += 1
 
     all_tokens = torch.cat(cand_tokens, 1)
@@ -351,27 +372,36 @@ def grow_dynamic(
     return DynamicTree(draft, order, real)
 
 
-def draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy=None) -> Draft:
+def draft_dynamic(
+    spec, head, hidden, cache, slots, root_tokens, policy=None, width: int | None = None
+) -> Draft:
     """EAGLE-2's dynamic tree (grow_dynamic) drafted by an EAGLE head: each expanded
     frontier node becomes a head node whose feature is its parent's head output (the
     root's: the target's hidden [B, dim])."""
-    B, K = root_tokens.shape[0], spec.topk
+    B = root_tokens.shape[0]
     tree = HeadTree(head, cache, slots, spec.head_nodes)
-    last = {"hidden": hidden[:, None].expand(B, K, -1), "start": 0}  # the previous level
+    last = {"hidden": hidden[:, None], "start": 0}  # the previous level's expanded nodes
 
     def expand(front_tok, front_cand, from_front, depth):
         prev = last["hidden"]
         if from_front is None:  # depth 1: every parent is the root (head node 0)
-            feat, head_parent = prev, torch.zeros_like(front_tok)
+            feat = prev.expand(B, front_tok.shape[1], -1)
+            head_parent = torch.zeros_like(front_tok)
         else:
             feat = prev.gather(1, from_front[..., None].expand(-1, -1, prev.shape[-1]))
             head_parent = last["start"] + from_front
         last["start"] = tree.n
-        last["hidden"] = tree.add(front_tok, feat, head_parent, depth=depth)  # [B, K, dim]
+        last["hidden"] = tree.add(front_tok, feat, head_parent, depth=depth)  # [B, W, dim]
         return head.draft_logits(last["hidden"])
 
     return grow_dynamic(
-        spec, head.draft_logits(hidden), root_tokens, expand, policy, head.draft_to_target
+        spec,
+        head.draft_logits(hidden),
+        root_tokens,
+        expand,
+        policy,
+        head.draft_to_target,
+        width,
     ).draft
 
 

@@ -604,9 +604,7 @@ class Engine:
         speculative = True
         with timed(self.device, "draft", all_stats):
             if self.policy is not None:
-                self.policy.batch = len(seqs)  # live occupancy: the costs of this step's batch
-                self.policy.slots = [s.slot for s in seqs]  # whose rows (per-request sizes)
-                self.policy.levels = 0
+                self.policy.new_step([s.slot for s in seqs])
                 speculative = self.policy.speculate()
             if not speculative:
                 d = root_only(roots)

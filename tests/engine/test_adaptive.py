@@ -37,6 +37,62 @@ def test_cost_model_interpolates_and_extrapolates():
     assert c.draft(0) == 0.0 and c.draft(2) == 0.3 and c.draft(4) == pytest.approx(0.7)
 
 
+def test_draft_cost_is_linear_in_a_levels_width():
+    """Level 2 costs 0.3 s when it expands TOPK = 3 nodes and 0.1 s for one (draft_narrow_s);
+    two nodes: halfway. Without a timed narrow curve the width does not change the cost."""
+    c = CostModel(1, [1, 2], [1.0, 1.0], [0.1, 0.4, 0.6], draft_narrow_s=[0.1, 0.2, 0.25])
+    p = Policy(c, SPEC)
+    assert p.draft_cost(1) == pytest.approx(0.1) and p.draft_cost(0) == 0.0
+    assert p.draft_cost(2, [3]) == pytest.approx(0.4) and p.draft_cost(2, [1]) == pytest.approx(0.2)
+    assert p.draft_cost(2, [2]) == pytest.approx(0.3)
+    assert p.draft_cost(3, [1, 3]) == pytest.approx(0.4)  # 0.1 + 0.1 + level 3's 0.2
+    assert p.draft_cost(3) == pytest.approx(0.6)  # no widths recorded: TOPK wide
+    wide = Policy(CostModel(1, [1, 2], [1.0, 1.0], [0.1, 0.4, 0.6]), SPEC)
+    assert wide.draft_cost(2, [1]) == wide.draft_cost(2, [3]) == pytest.approx(0.4)
+
+
+def test_policy_expands_only_the_frontier_nodes_that_pay():
+    """A level costs 0.1 s a frontier node (a step ~1 s). One sure frontier node (0.9) and two
+    unsure ones (0.05): expanding the sure one alone pays best; three sure ones: all three. A
+    head whose best children have been unsure at depth 2 (recorded by node_value) gets no
+    second level."""
+    flat = [1, 2, 4, 10], [1.0, 1.0, 1.0, 1.0]
+    c = CostModel(1, *flat, [0.01, 0.31, 0.61, 0.91], draft_narrow_s=[0.01, 0.11, 0.21, 0.31])
+    p = Policy(c, SPEC)
+    p.new_step([0])
+    one_sure = torch.tensor([[0.9, 0.05, 0.05]])
+    assert p.expand_width(1, one_sure, one_sure) == 1 and p.widths == [1]
+    p.new_step([0])
+    all_sure = torch.tensor([[0.9, 0.9, 0.9]])
+    assert p.expand_width(1, all_sure, all_sure) == 3 and p.widths == [3]
+    assert p.expand(1, all_sure, all_sure)
+    unsure_children = torch.full((1, 1, 3), 0.002).log()
+    for _ in range(200):
+        p.node_value(one_sure[:, :1], unsure_children, depth=2, children=True)
+    p.new_step([0])
+    assert p.expand_width(1, one_sure, one_sure) == 0 and p.widths == []
+
+
+def test_policy_prices_draft_levels_by_their_measured_time():
+    """The cost model's level 2 is 0.1 s one node wide; the steps measure it at 0.4 s (cold
+    caches): draft_cost follows (bounded per level), and a level that paid at 0.1 s no
+    longer does."""
+    flat = [1, 2, 4, 10], [1.0, 1.0, 1.0, 1.0]
+    c = CostModel(1, *flat, [0.01, 0.31, 0.61, 0.91], draft_narrow_s=[0.01, 0.11, 0.21, 0.31])
+    p = Policy(c, SPEC)
+    p.new_step([0])
+    frontier = torch.tensor([[0.3, 0.01, 0.01]])
+    assert p.expand_width(1, frontier, frontier) == 1
+    for _ in range(300):
+        p.observe_level(0.4, 1, 1)
+    assert p.level_factor() == pytest.approx(4.0, rel=1e-3)
+    assert p.draft_cost(2, [1]) == pytest.approx(0.01 + 0.4, rel=1e-3)
+    p.new_step([0])
+    assert p.expand_width(1, frontier, frontier) == 0
+    p.observe_level(100.0, 1, 1)  # one stalled level moves the factor by a bounded amount
+    assert p.level_factor() == pytest.approx(4.0, rel=1e-3)
+
+
 def test_cost_model_measure_times_every_size():
     """Real timings: which sizes get measured depends on the machine's load (measuring stops
     once a tree costs more than depth + 1 plain steps), but always a prefix of the sizes."""
@@ -322,6 +378,10 @@ STEEP = CostModel(
 )
 
 
+# what simulate() drives: trees of the root's children only
+ONE_LEVEL = TreeSpec("adaptive", 1, 8, 32)
+
+
 def simulate(policy, confidence, accepts, steps: int):
     """Drives policy for `steps` steps of a head whose best draft on step i has confidence(i)
     and, if verified, is accepted iff accepts(i). -> (speculative steps, their sizes, the
@@ -335,7 +395,7 @@ def simulate(policy, confidence, accepts, steps: int):
         c = confidence(i)
         probs = torch.tensor([c] + [0.005] * (K - 1))  # the rest of the mass: a long tail
         v = policy.node_value(None, probs.log()[None], depth=1)
-        assert not policy.expand(1, v, v)  # a second level (7.7 ms) never pays here
+        assert not policy.expand(1, v, v)  # the simulated head drafts one level
         n = int(policy.sizes(v, 1)[0])
         sizes.append(n)
         ok = n > 0 and accepts(i)
@@ -368,7 +428,7 @@ def test_policy_speculates_with_a_small_tree_despite_unlucky_probes():
     26% above plain's 1 / 79 ms; bigger trees do not pay. The first step is an unsure one,
     and so is every probe after it (their intervals are even): judged by those steps alone,
     speculation looked no better than plain and the policy decoded plainly for good."""
-    p = Policy(STEEP, TreeSpec.parse("adaptive"))
+    p = Policy(STEEP, ONE_LEVEL)
     p.batch, p.slots = 1, [0]
     spec_steps, sizes, speedup = simulate(
         p, lambda i: 0.02 if i % 2 == 0 else 0.7, lambda i: i % 6 != 1, 200
@@ -383,7 +443,7 @@ def test_policy_loses_little_when_speculation_does_not_pay(accepted_every):
     """The same costs, a sure-looking head (0.5) accepted 5% of the time or never: 1-node
     trees lose to plain. Trying speculation again as the evidence ages costs little: the
     run stays within 3% of plain decoding."""
-    p = Policy(STEEP, TreeSpec.parse("adaptive"))
+    p = Policy(STEEP, ONE_LEVEL)
     p.batch, p.slots = 1, [0]
     accepts = lambda i: accepted_every and i % accepted_every == accepted_every - 1  # noqa: E731
     _, _, speedup = simulate(p, lambda i: 0.5, accepts, 400)

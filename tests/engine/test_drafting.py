@@ -85,8 +85,9 @@ def root_hidden(root_logits):
     return torch.cat((torch.zeros_like(root_logits), root_logits), -1)
 
 
-def brute_force_eagle2(root_logits, table, depth, topk, total):
-    """EAGLE-2, one candidate at a time: -> {token path from the root: cumulative log-prob}."""
+def brute_force_eagle2(root_logits, table, depth, topk, total, width=None):
+    """EAGLE-2, one candidate at a time: -> {token path from the root: cumulative log-prob};
+    each level expands the best `width` (default topk) frontier nodes."""
 
     def children(path, score, logits):
         lp = torch.log_softmax(logits, -1)
@@ -96,7 +97,7 @@ def brute_force_eagle2(root_logits, table, depth, topk, total):
     level = children((), 0.0, root_logits)
     cands = list(level)
     for _ in range(depth - 1):
-        kids = [c for path, s in level for c in children(path, s, table[path[-1]])]
+        kids = [c for path, s in level[:width] for c in children(path, s, table[path[-1]])]
         cands += kids
         level = sorted(kids, key=lambda c: -c[1])[:topk]
     best = sorted(cands, key=lambda c: -c[1])[: total - 1]  # stable: ties keep creation order
@@ -114,8 +115,20 @@ def head_cache(B, lens):
     return types.SimpleNamespace(cache_lens=torch.tensor(lens, dtype=torch.int32)[:B])
 
 
-@pytest.mark.parametrize("depth, topk, total", [(4, 3, 12), (3, 2, 30), (1, 4, 3), (5, 2, 9)])
-def test_dynamic_tree_matches_brute_force(depth, topk, total):
+@pytest.mark.parametrize(
+    "depth, topk, total, width",
+    [
+        (4, 3, 12, None),
+        (3, 2, 30, None),
+        (1, 4, 3, None),
+        (5, 2, 9, None),
+        (4, 3, 12, 1),
+        (3, 4, 20, 2),
+    ],
+)
+def test_dynamic_tree_matches_brute_force(depth, topk, total, width):
+    """The EAGLE-2 tree, and with levels `width` nodes wide (the cost model's narrow levels;
+    the adaptive policy's expand_width)."""
     B = 3
     table = torch.randn(V, V) * 2
     root_logits = torch.randn(B, V) * 2
@@ -123,12 +136,19 @@ def test_dynamic_tree_matches_brute_force(depth, topk, total):
     roots = torch.tensor([1, 2, 3])
     spec = TreeSpec("dynamic", depth, topk, total)
     d = drafting.draft_dynamic(
-        spec, head, root_hidden(root_logits), head_cache(B, [5, 9, 17]), torch.arange(B), roots
+        spec,
+        head,
+        root_hidden(root_logits),
+        head_cache(B, [5, 9, 17]),
+        torch.arange(B),
+        roots,
+        width=width,
     )
+    width = width or topk
     assert d.tokens.shape == d.parents.shape == (B, total) and d.draft_probs is None
     for b in range(B):
         n = int(d.num_nodes[b])
-        want = brute_force_eagle2(root_logits[b], table, depth, topk, total)
+        want = brute_force_eagle2(root_logits[b], table, depth, topk, total, width)
         assert n == len(want) + 1 and int(d.tokens[b, 0]) == int(roots[b])
         assert int(d.parents[b, 0]) == -1 and all(
             0 <= int(d.parents[b, i]) < i for i in range(1, n)
@@ -140,10 +160,10 @@ def test_dynamic_tree_matches_brute_force(depth, topk, total):
         assert scores == sorted(scores, reverse=True)  # re-ranked by cumulative log-prob
     # the head's own tree: node 0 at the last committed position, depth-d nodes rotated at n - 1 + d
     for d_minus_1, (tokens, base, start, mask, positions) in enumerate(head.calls):
-        assert start == 1 + d_minus_1 * topk and tokens.shape == (B, topk)
+        assert start == 1 + d_minus_1 * width and tokens.shape == (B, width)
         assert torch.equal(base, torch.tensor([4, 8, 16], dtype=torch.int32))
-        assert torch.equal(positions, (base + d_minus_1 + 1)[:, None].expand(B, topk))
-        assert mask.shape[1] == start + topk
+        assert torch.equal(positions, (base + d_minus_1 + 1)[:, None].expand(B, width))
+        assert mask.shape[1] == start + width
 
 
 def tiny_target(seed=0):

@@ -412,8 +412,11 @@ class DraftModelDrafter(Drafter):
                 torch.zeros_like(front_tok) if from_front is None else prev_start[0] + from_front
             )
             prev_start[0] = start = tree.n
-            child_logits = tree.add(front_tok, parent, depth=depth)  # [B, K, V]
-            cand_node.scatter_(1, front_cand, start + torch.arange(K, device=dev).expand(B, K))
+            child_logits = tree.add(front_tok, parent, depth=depth)  # [B, W, V]
+            width = front_tok.shape[1]  # W <= K: the level's width (grow_dynamic)
+            cand_node.scatter_(
+                1, front_cand, start + torch.arange(width, device=dev).expand(B, width)
+            )
             return child_logits
 
         grown = grow_dynamic(spec, logits, roots, expand, policy)

@@ -98,16 +98,21 @@ class EagleDrafter(Drafter):
         prompt's, then each step's accepted ones): one call for however many steps that was,
         so adaptive mode's plain steps skip the head entirely and pay for it in one batched
         pass when drafting resumes."""
-        rows = [i for i, s in enumerate(slots.tolist()) if self.pending.get(s)]
+        slot_ids = slots.tolist()
+        rows = [i for i, s in enumerate(slot_ids) if self.pending.get(s)]
         if not rows:
             return
-        chunks = [self.pending.pop(int(slots[i])) for i in rows]
-        tokens = [torch.cat([t for t, _ in c]) for c in chunks]
-        feats = [torch.cat([f for _, f in c]) for c in chunks]
+        chunks = [self.pending.pop(slot_ids[i]) for i in rows]
+        # (one chunk, one request: the usual batch-1 step, without the copies)
+        tokens = [c[0][0] if len(c) == 1 else torch.cat([t for t, _ in c]) for c in chunks]
+        feats = [c[0][1] if len(c) == 1 else torch.cat([f for _, f in c]) for c in chunks]
         counts = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=self.device)
-        tokens = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True)
-        feats = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
-        self._extend(slots[rows], tokens, feats, counts)
+        if len(rows) == 1:
+            tokens, feats = tokens[0][None], feats[0][None]
+        else:
+            tokens = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True)
+            feats = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
+        self._extend(slots if len(rows) == len(slot_ids) else slots[rows], tokens, feats, counts)
 
     def _extend(self, slots, tokens, features, counts):
         """Appends counts[b] (token, target feature) pairs to the head's cache of each slot and
