@@ -173,6 +173,51 @@ def test_repeats_in_run_bench(models):
         run_bench(ours, CharTokenizer(), None, ["x"], repeats=0, log=lambda m: None)
 
 
+def test_repeats_alternate_the_method_order(monkeypatch, models):
+    """Every other run takes the methods in reverse (llama.cpp's rows last), so a drift within
+    a run does not always favour the same end of the list; rows keep the usual order."""
+    import specdec.apps.bench as bench
+    import specdec.apps.llamacpp_baseline as llamacpp_baseline
+
+    ours, _ = models
+    calls = []
+
+    def fake_ours(model, tokenizer, head, tree, *args):
+        calls.append(tree)
+        return {"tokens_per_s": 1.0, "mean_acceptance_length": 1.0, "outputs": [[5]]}
+
+    def fake_llamacpp(ggufs, *args):
+        calls.append("llama.cpp")
+        return {
+            "llama.cpp bf16": {
+                "tokens_per_s": 1.0,
+                "mean_acceptance_length": None,
+                "outputs": [[5]],
+            }
+        }
+
+    monkeypatch.setattr(bench, "run_ours", fake_ours)
+    monkeypatch.setattr(llamacpp_baseline, "bench_rows", fake_llamacpp)
+    result = run_bench(
+        ours,
+        CharTokenizer(),
+        EagleHead.random(ours, seed=0),
+        ["x"],
+        temperatures=(0.0,),
+        chain_ks=(2,),
+        tree="dynamic:2,2,4",
+        batch_sizes=(),
+        log=lambda m: None,
+        hostile=False,
+        llamacpp_ggufs={"bf16": "unused.gguf"},
+        repeats=3,
+    )
+    first = ["llama.cpp", "chain:1", "chain:2", "dynamic:2,2,4", "adaptive"]
+    assert calls == first + first[::-1] + first
+    names = ["llama.cpp bf16", "plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)"]
+    assert list(result["batch1"]["0.0"]) == names + ["eagle_adaptive"]
+
+
 def test_cli_rejects_bad_repeats(capsys):
     from specdec.cli import main
 

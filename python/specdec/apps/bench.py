@@ -134,6 +134,8 @@ def run_bench(
         for rep in range(repeats):  # the methods one after another, the whole list per run
             if repeats > 1:
                 log(f"[T={temp}] run {rep + 1} of {repeats}")
+            # odd runs take the methods in reverse: a drift within a run then favours each
+            # end of the list as often, and the median ratios see both orders
             rows = _batch1_rows(
                 model,
                 tokenizer,
@@ -149,6 +151,7 @@ def run_bench(
                 eos,
                 llamacpp_ggufs,
                 log,
+                reverse=rep % 2 == 1,
             )
             runs.append(_finish(rows, greedy=temp == 0))
         result["batch1"][str(temp)] = _median_of_runs(runs)
@@ -217,26 +220,32 @@ def _batch1_rows(
     eos,
     llamacpp_ggufs: dict | None,
     log,
+    reverse: bool = False,
 ) -> dict:
-    """One run of every batch-1 method at temperature temp -> {method: stats (with outputs)}."""
+    """One run of every batch-1 method at temperature temp -> {method: stats (with outputs)},
+    llama.cpp's rows first, then ours (reverse: ours in reverse, then llama.cpp's); the dict
+    lists the methods in the usual order either way."""
     rows: dict = {}
-    if llamacpp_ggufs:
-        from .llamacpp_baseline import bench_rows
+    todo = [
+        m
+        for m in methods(head, chain_ks, tree, adaptive, hf_model is not None)
+        if not (m[1] == "hf" and m[2] and temp)  # HF prompt lookup is greedy-only here
+    ]
+    order = ([("llama.cpp", "llamacpp", None)] if llamacpp_ggufs else []) + todo
+    for name, kind, arg in reversed(order) if reverse else order:
+        t0 = time.perf_counter()
+        if kind == "llamacpp":
+            from .llamacpp_baseline import bench_rows
 
-        t0 = time.perf_counter()
-        threads = torch.get_num_threads()
-        rows.update(
-            bench_rows(llamacpp_ggufs, prompt_ids, max_new_tokens, temp, threads, seed, eos)
-        )
-        log(
-            f"[T={temp}] "
-            + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items())
-            + f" ({time.perf_counter() - t0:.0f}s)"
-        )
-    for name, kind, arg in methods(head, chain_ks, tree, adaptive, hf_model is not None):
-        if kind == "hf" and arg and temp:
-            continue  # HF prompt lookup is greedy-only in our comparison
-        t0 = time.perf_counter()
+            threads = torch.get_num_threads()
+            lcpp = bench_rows(llamacpp_ggufs, prompt_ids, max_new_tokens, temp, threads, seed, eos)
+            rows.update(lcpp)
+            log(
+                f"[T={temp}] "
+                + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in lcpp.items())
+                + f" ({time.perf_counter() - t0:.0f}s)"
+            )
+            continue
         if kind == "hf":
             rows[name] = run_hf(hf_model, prompt_ids, temp, 1, max_new_tokens, seed, eos, arg)
         elif kind == "hf_specdec":
@@ -259,7 +268,8 @@ def _batch1_rows(
             f"[T={temp}] {name}: {rows[name]['tokens_per_s']:.2f} tok/s, acceptance "
             f"{rows[name]['mean_acceptance_length']} ({time.perf_counter() - t0:.0f}s)"
         )
-    return rows
+    ours = [name for name, _, _ in todo]
+    return {k: rows[k] for k in [k for k in rows if k not in ours] + ours}  # llama.cpp first
 
 
 def _median_of_runs(runs: list) -> dict:
@@ -470,9 +480,9 @@ def add_arguments(p):
         "--repeats",
         type=int,
         default=1,
-        help="runs of the batch-1 methods, one after another (each row reports its median "
-        "tokens/s and median same-run speedups, every run's in *_runs): a shared machine's "
-        "speed drifts between methods",
+        help="runs of the batch-1 methods, one after another, every other run in reverse order "
+        "(each row reports its median tokens/s and median same-run speedups, every run's in "
+        "*_runs): a shared machine's speed drifts between methods",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument(
