@@ -472,50 +472,54 @@ SPECDEC_BF16_TARGET SPECDEC_INLINE __m512 dot_pairs(__m512 acc, __m512i a, __m51
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
-// s[n, 0:32] = scale * sum_i kp[n, i] . qp[i, 0:32] for the 8 keys n of one block
-// (kp: bf16 pairs of a K tile row, row stride Dp / 2 pairs; Dh pairs per row).
+// s[n, 0:16V] = scale * sum_i kp[n, i] . qp[i, 0:16V] for the 8 keys n of one block
+// (kp: bf16 pairs of a K tile row, row stride Dp / 2 pairs; Dh pairs per row); V = 2 row
+// vectors (32 rows) or 1 (a last panel of 16).
+template <int V>
 SPECDEC_BF16_TARGET SPECDEC_INLINE void score_block_bf16(const uint32_t* qp, const uint32_t* kp,
                                                          int64_t Dh, int64_t Dp, int64_t Mp,
                                                          float scale, float* s) {
-  __m512 acc[8][2];
-  for (int c = 0; c < 8; ++c) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+  __m512 acc[8][V];
+  for (int c = 0; c < 8; ++c) {
+    for (int u = 0; u < V; ++u) acc[c][u] = _mm512_setzero_ps();
+  }
   for (int64_t i = 0; i < Dh; ++i) {
-    const __m512i q0 = _mm512_loadu_si512(qp + i * Mp), q1 = _mm512_loadu_si512(qp + i * Mp + 16);
+    __m512i q[V];
+    for (int u = 0; u < V; ++u) q[u] = _mm512_loadu_si512(qp + i * Mp + 16 * u);
     for (int c = 0; c < 8; ++c) {
       const __m512i kv = _mm512_set1_epi32(kp[c * Dp / 2 + i]);
-      acc[c][0] = dot_pairs(acc[c][0], kv, q0);
-      acc[c][1] = dot_pairs(acc[c][1], kv, q1);
+      for (int u = 0; u < V; ++u) acc[c][u] = dot_pairs(acc[c][u], kv, q[u]);
     }
   }
   const __m512 sc = _mm512_set1_ps(scale);
   for (int c = 0; c < 8; ++c) {
-    _mm512_storeu_ps(s + c * Mp, _mm512_mul_ps(acc[c][0], sc));
-    _mm512_storeu_ps(s + c * Mp + 16, _mm512_mul_ps(acc[c][1], sc));
+    for (int u = 0; u < V; ++u) _mm512_storeu_ps(s + c * Mp + 16 * u, _mm512_mul_ps(acc[c][u], sc));
   }
 }
 
-// ot[d, 0:32] = alpha * ot[d, 0:32] + sum_j vp[j, d] . pp[j, 0:32] for 8 head dims d
+// ot[d, 0:16V] = alpha * ot[d, 0:16V] + sum_j vp[j, d] . pp[j, 0:16V] for 8 head dims d
 // (over nj position pairs j).
+template <int V>
 SPECDEC_BF16_TARGET SPECDEC_INLINE void update_block_bf16(const uint32_t* pp, const uint32_t* vp,
                                                           int64_t nj, int64_t Dp, int64_t Mp,
                                                           const float* alpha, float* ot) {
-  const __m512 a0 = _mm512_loadu_ps(alpha), a1 = _mm512_loadu_ps(alpha + 16);
-  __m512 acc[8][2];
+  __m512 acc[8][V];
   for (int c = 0; c < 8; ++c) {
-    acc[c][0] = _mm512_mul_ps(_mm512_loadu_ps(ot + c * Mp), a0);
-    acc[c][1] = _mm512_mul_ps(_mm512_loadu_ps(ot + c * Mp + 16), a1);
+    for (int u = 0; u < V; ++u) {
+      acc[c][u] =
+          _mm512_mul_ps(_mm512_loadu_ps(ot + c * Mp + 16 * u), _mm512_loadu_ps(alpha + 16 * u));
+    }
   }
   for (int64_t j = 0; j < nj; ++j) {
-    const __m512i p0 = _mm512_loadu_si512(pp + j * Mp), p1 = _mm512_loadu_si512(pp + j * Mp + 16);
+    __m512i p[V];
+    for (int u = 0; u < V; ++u) p[u] = _mm512_loadu_si512(pp + j * Mp + 16 * u);
     for (int c = 0; c < 8; ++c) {
       const __m512i vv = _mm512_set1_epi32(vp[j * Dp + c]);
-      acc[c][0] = dot_pairs(acc[c][0], vv, p0);
-      acc[c][1] = dot_pairs(acc[c][1], vv, p1);
+      for (int u = 0; u < V; ++u) acc[c][u] = dot_pairs(acc[c][u], vv, p[u]);
     }
   }
   for (int c = 0; c < 8; ++c) {
-    _mm512_storeu_ps(ot + c * Mp, acc[c][0]);
-    _mm512_storeu_ps(ot + c * Mp + 16, acc[c][1]);
+    for (int u = 0; u < V; ++u) _mm512_storeu_ps(ot + c * Mp + 16 * u, acc[c][u]);
   }
 }
 
@@ -542,9 +546,11 @@ SPECDEC_BF16_TARGET SPECDEC_INLINE void pair_probs(const float* s, int64_t nt, i
 }
 
 // attend() for bfloat16 with vdpbf16ps.
+// Rows run in panels of 32 (two vectors), the last one 16 wide when that holds the rest: a
+// small tree's 9-16 rows per KV head no longer pay for 32.
 SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Workspace& ws,
                                            int64_t b, int64_t h, int64_t s) {
-  const int64_t M = P.rows(b), Mr = (M + 31) / 32 * 32;
+  const int64_t M = P.rows(b), Mr = (M + 15) / 16 * 16;
   const int64_t D = P.D, Dp = P.Dp, Dh = (D + 1) / 2, Mp = P.Mp;
   for (int64_t m = 0; m < Mr; ++m) {  // padding rows and the odd head dim: zero
     const c10::BFloat16* src = m < M ? P.q_row(b, h, m) : nullptr;
@@ -571,7 +577,12 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
     for (int64_t r = 0; r < Mr; r += 32) {
       for (int64_t j = 0; j < nk; j += 8) {
-        score_block_bf16(ws.qp + r, ws.kp + j * Dp / 2, Dh, Dp, Mp, P.scale, ws.s + j * Mp + r);
+        const uint32_t* kp = ws.kp + j * Dp / 2;
+        if (Mr - r >= 32) {
+          score_block_bf16<2>(ws.qp + r, kp, Dh, Dp, Mp, P.scale, ws.s + j * Mp + r);
+        } else {
+          score_block_bf16<1>(ws.qp + r, kp, Dh, Dp, Mp, P.scale, ws.s + j * Mp + r);
+        }
       }
     }
     mask_tile(P, ws.s, b, p, nt);
@@ -579,7 +590,11 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
     pair_probs(ws.s, nt, Mp, Mr, ws.pp);
     for (int64_t r = 0; r < Mr; r += 32) {
       for (int64_t d = 0; d < Dp; d += 8) {
-        update_block_bf16(ws.pp + r, ws.vp + d, nj, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+        if (Mr - r >= 32) {
+          update_block_bf16<2>(ws.pp + r, ws.vp + d, nj, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+        } else {
+          update_block_bf16<1>(ws.pp + r, ws.vp + d, nj, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+        }
       }
     }
   }

@@ -51,14 +51,22 @@ def test_draft_cost_is_linear_in_a_levels_width():
     assert wide.draft_cost(2, [1]) == wide.draft_cost(2, [3]) == pytest.approx(0.4)
 
 
+# verify costs the same for any tree (1 s); a draft level 0.1 s per frontier node it expands
+WIDTH_PRICED = CostModel(
+    1,
+    [1, 2, 4, 10],
+    [1.0, 1.0, 1.0, 1.0],
+    [0.01, 0.31, 0.61, 0.91],
+    draft_narrow_s=[0.01, 0.11, 0.21, 0.31],
+)
+
+
 def test_policy_expands_only_the_frontier_nodes_that_pay():
     """A level costs 0.1 s a frontier node (a step ~1 s). One sure frontier node (0.9) and two
     unsure ones (0.05): expanding the sure one alone pays best; three sure ones: all three. A
     head whose best children have been unsure at depth 2 (recorded by node_value) gets no
     second level."""
-    flat = [1, 2, 4, 10], [1.0, 1.0, 1.0, 1.0]
-    c = CostModel(1, *flat, [0.01, 0.31, 0.61, 0.91], draft_narrow_s=[0.01, 0.11, 0.21, 0.31])
-    p = Policy(c, SPEC)
+    p = Policy(WIDTH_PRICED, SPEC)
     p.new_step([0])
     one_sure = torch.tensor([[0.9, 0.05, 0.05]])
     assert p.expand_width(1, one_sure, one_sure) == 1 and p.widths == [1]
@@ -77,9 +85,7 @@ def test_policy_prices_draft_levels_by_their_measured_time():
     """The cost model's level 2 is 0.1 s one node wide; the steps measure it at 0.4 s (cold
     caches): draft_cost follows (bounded per level), and a level that paid at 0.1 s no
     longer does."""
-    flat = [1, 2, 4, 10], [1.0, 1.0, 1.0, 1.0]
-    c = CostModel(1, *flat, [0.01, 0.31, 0.61, 0.91], draft_narrow_s=[0.01, 0.11, 0.21, 0.31])
-    p = Policy(c, SPEC)
+    p = Policy(WIDTH_PRICED, SPEC)
     p.new_step([0])
     frontier = torch.tensor([[0.3, 0.01, 0.01]])
     assert p.expand_width(1, frontier, frontier) == 1
