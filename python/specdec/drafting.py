@@ -292,6 +292,8 @@ def grow_dynamic(
     every level expands `width` (default TOPK) of them."""
     B, K, D = root_tokens.shape[0], spec.topk, spec.depth
     width = K if width is None else width
+    if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        raise ValueError(f"width must be an integer >= 1 (frontier nodes per level), got {width!r}")
     dev = root_tokens.device
     to_target = to_target or (lambda t: t)
 

@@ -166,6 +166,21 @@ def test_dynamic_tree_matches_brute_force(depth, topk, total, width):
         assert mask.shape[1] == start + width
 
 
+@pytest.mark.parametrize("width", [0, -1, 1.5, True])
+def test_dynamic_tree_rejects_a_bad_width(width):
+    head = BigramHead(torch.randn(V, V))
+    with pytest.raises(ValueError, match="width"):
+        drafting.draft_dynamic(
+            TreeSpec("dynamic", 2, 2, 4),
+            head,
+            root_hidden(torch.randn(1, V)),
+            head_cache(1, [5]),
+            torch.arange(1),
+            torch.tensor([1]),
+            width=width,
+        )
+
+
 def tiny_target(seed=0):
     args = ModelArgs(
         vocab_size=V, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64
