@@ -19,22 +19,12 @@ import statistics
 import time
 
 import torch
-from common import configure_decode_path, write_json
+from common import DECODE_PATHS, configure_decode_path, write_json
 
 from specdec import compiled_step, layer_ops, packed_linear
 from specdec.loader import load_model
 from specdec_kernels import ops
 from specdec_kernels.testing import time_fn
-
-VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer, tiles for few rows,
-    # the blocks as one decode_layers call)
-    "eager": (False, False, False, False, False),
-    "prepacked": (True, False, False, False, False),
-    "prepacked+layer_ops": (True, True, False, False, False),
-    "prepacked+decode_layer": (True, True, True, False, False),
-    "tiles+decode_layer": (True, True, True, True, False),
-    "tiles+decode_layers": (True, True, True, True, True),
-}
 
 
 def main():
@@ -59,7 +49,7 @@ def main():
     model, _ = load_model(None, dtype=torch.bfloat16, device=opts.device)
     model.compiled_step = False
     # the decode path's parts are CPU-only (their configure leaves a GPU model as it is)
-    variants = dict(VARIANTS) if opts.device == "cpu" else {"eager": VARIANTS["eager"]}
+    variants = dict(DECODE_PATHS) if opts.device == "cpu" else {"eager": DECODE_PATHS["eager"]}
     steps = {}  # variant name -> its CompiledStep
     if opts.compile or opts.compile_modes:
         for mode in opts.compile_modes.split(",") if opts.compile_modes else [None]:

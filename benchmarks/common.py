@@ -232,12 +232,24 @@ def use_tiles(on: bool) -> None:
         os.environ["SPECDEC_TILED_ROWS"] = "0"
 
 
+# The CPU decode path's variants, each a configure_decode_path tuple: (prepacked linears,
+# layer ops, decode_layer, tiles for few rows, the blocks as one decode_layers call).
+DECODE_PATHS = {
+    "eager": (False, False, False, False, False),
+    "prepacked": (True, False, False, False, False),
+    "prepacked+layer_ops": (True, True, False, False, False),
+    "prepacked+decode_layer": (True, True, True, False, False),
+    "tiles+decode_layer": (True, True, True, True, False),
+    "tiles+decode_layers": (True, True, True, True, True),
+}
+
+
 def configure_decode_path(
     model, packed: bool, fused: bool, layer: bool, tiles: bool, layers: bool
 ) -> None:
     """One variant of the CPU decode path on model: prepacked linears, the layer ops, each
     block as one decode_layer call, tiles for few rows (use_tiles), the blocks as one
-    decode_layers call (the decode-path benchmarks' VARIANTS tuples, in that order)."""
+    decode_layers call (a DECODE_PATHS tuple)."""
     from specdec import layer_ops, packed_linear
 
     use_tiles(tiles)

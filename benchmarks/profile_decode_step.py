@@ -1,7 +1,7 @@
 """Where one bf16 verify step of the default model goes, by operator class (torch.profiler self
 CPU time), for the eager modules, the CPU decode path with the layer ops op by op, and with each
-block as one decode_layer call, the linears in oneDNN's layout, then (decode_layer+tiles) in
-the tiles' where SPECDEC_TILED_ROWS (auto) takes them, then (decode_layers+tiles, the default)
+block as one decode_layer call, the linears in oneDNN's layout, then (tiles+decode_layer) in
+the tiles' where SPECDEC_TILED_ROWS (auto) takes them, then (tiles+decode_layers, the default)
 all blocks as one decode_layers call; "Python and dispatch" is the wall time the
 profiled ops do not account for. Wall time is measured apart from the profiled passes.
 
@@ -14,21 +14,21 @@ import json
 import time
 
 import torch
-from common import configure_decode_path
+from common import DECODE_PATHS, configure_decode_path
 from torch.profiler import profile
 
 from specdec import packed_linear
 from specdec.loader import load_model
 from specdec_kernels import ops
 
-VARIANTS = {  # name: (prepacked linears, layer ops, decode_layer, tiles for few rows,
-    # the blocks as one decode_layers call)
-    "eager": (False, False, False, False, False),
-    "layer_ops": (True, True, False, False, False),
-    "decode_layer": (True, True, True, False, False),
-    "decode_layer+tiles": (True, True, True, True, False),
-    "decode_layers+tiles": (True, True, True, True, True),
-}
+# the decode path's steps that change where the time goes (common.DECODE_PATHS)
+PROFILED = (
+    "eager",
+    "prepacked+layer_ops",
+    "prepacked+decode_layer",
+    "tiles+decode_layer",
+    "tiles+decode_layers",
+)
 
 
 def classify(name: str) -> str:
@@ -62,8 +62,8 @@ def main():
     slots = torch.tensor([0], dtype=torch.int32)
     model.prefill([torch.randint(0, model.args.vocab_size, (opts.ctx,))], cache, slots)
     rows = []
-    for name, variant in VARIANTS.items():
-        configure_decode_path(model, *variant)
+    for name in PROFILED:
+        configure_decode_path(model, *DECODE_PATHS[name])
         for T in [int(t) for t in opts.trees.split(",")]:
             parents = torch.arange(-1, T - 1, dtype=torch.int32)[None]
             num_nodes = torch.tensor([T], dtype=torch.int32)
