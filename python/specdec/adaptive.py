@@ -312,8 +312,13 @@ class Policy:
     shared by every request; the tree sizes are chosen per request (`sizes`), or one for the
     whole batch step when per_request is False."""
 
-    def __init__(self, cost: CostModel, spec, per_request: bool = True):
+    def __init__(self, cost: CostModel, spec, per_request: bool = True, calibrate: bool = True):
         self.cost, self.spec, self.per_request = cost, spec, per_request
+        # calibrate: the draft levels' times in the steps scale their costs (observe_level);
+        # False keeps the choices a function of the cost model and the acceptance alone
+        # (reproducible: the engine's cost model passed in; the engine also skips
+        # observe_time then)
+        self.calibrate = calibrate
         # the policy's statistics and arithmetic live on the host, in numpy: a step's few
         # dozen operations on [B, C] values cost ~1 us each there against ~5-10 us as torch
         # calls (~0.9 ms a step at batch 1, 6% of a CPU step); the tensors it reads come over
@@ -514,6 +519,8 @@ class Policy:
         decayed ratio of measured to predicted level seconds scales them (draft_cost).
         Under tensor parallelism every rank takes the same time (agree_time), so that the
         ranks keep choosing the same trees."""
+        if not self.calibrate:
+            return
         if agree_time is not None:
             seconds = agree_time(seconds, device)
         predicted = self._level_s(levels + 1, width)

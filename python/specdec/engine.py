@@ -183,9 +183,10 @@ class Engine:
     "dynamic:5,8,32", "adaptive"); batch_size: requests decoded together; max_seq_len: cache
     positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
     measured here, which takes a few forwards; pass one to make the choices reproducible);
-    calibrate: adaptive mode scales the costs by each step's measured time (Policy.observe_time;
-    default: when the cost model is measured here, so that a passed one keeps the choices
-    independent of timing; True to calibrate a reused cost model);
+    calibrate: adaptive mode scales the costs by each step's measured times (the whole step and
+    its draft levels: Policy.observe_time / observe_level; default: when the cost model is
+    measured here, so that a passed one keeps the choices independent of timing; True to
+    calibrate a reused cost model);
     sampler: tree_rejection_sample's stand-in, same arguments and outputs (default: the op;
     tensor parallelism passes tp.BroadcastSampler: rank 0 samples, every rank gets its result).
 
@@ -265,11 +266,13 @@ class Engine:
         drafter.setup(Setup(model, self.tree, batch_size, capacity, block_size, self.device))
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None
+        self.calibrate = cost_model is None if calibrate is None else bool(calibrate)
         if drafter.adaptive and self.tree.kind == "adaptive":
             self.policy = Policy(
-                cost_model or drafter.measure_cost(model, self.tree, batch_size), self.tree
+                cost_model or drafter.measure_cost(model, self.tree, batch_size),
+                self.tree,
+                calibrate=self.calibrate,
             )
-        self.calibrate = cost_model is None if calibrate is None else bool(calibrate)
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else ()
         self.eos_token_ids = set(eos_token_ids)

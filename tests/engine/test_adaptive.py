@@ -483,19 +483,27 @@ def test_policy_prices_rule_one_by_measured_step_times():
 
 def test_engine_reports_every_step_time(monkeypatch):
     """The engine times each verify step, whole, and tells the policy its kind and shape
-    (by default when it measured the cost model itself)."""
-    calls = []
-    real = Policy.observe_time
+    (by default when it measured the cost model itself); a policy told not to calibrate
+    ignores its draft levels' times too."""
+    calls, levels = [], []
+    real, real_level = Policy.observe_time, Policy.observe_level
 
     def record(self, seconds, speculative, levels, nodes):
         calls.append((seconds, speculative, levels, nodes))
         real(self, seconds, speculative, levels, nodes)
 
+    def record_level(self, *args):
+        real_level(self, *args)
+        levels.append(self.level_ratios[1])
+
     monkeypatch.setattr(Policy, "observe_time", record)
+    monkeypatch.setattr(Policy, "observe_level", record_level)
     model = tiny_model()
     # a cost model passed in: its choices stay reproducible, nothing is measured
     run(model, oracle_head(model), "adaptive:4,3,10", 1, cost_model=CHEAP_VERIFY)
     assert calls == []
+    assert levels and set(levels) == {CALIBRATION_PRIOR}  # levels timed, not counted
+    levels.clear()
     _, stats = run(
         model, oracle_head(model), "adaptive:4,3,10", 1, cost_model=CHEAP_VERIFY, calibrate=True
     )
@@ -503,6 +511,7 @@ def test_engine_reports_every_step_time(monkeypatch):
     assert all(s > 0 and n >= 1 for s, _, _, n in calls)
     assert all((lv >= 1) == spec for _, spec, lv, _ in calls)
     assert any(spec and n > 1 for _, spec, _, n in calls)
+    assert levels and levels[-1] != CALIBRATION_PRIOR  # calibrating: the levels count
 
 
 def test_measured_costs_are_made_non_decreasing():
