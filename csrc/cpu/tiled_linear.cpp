@@ -9,8 +9,8 @@
 // ~30 GB/s). In this layout each 64-byte load holds 16 outputs x 2 inputs of one tile: one
 // vdpbf16ps with a broadcast input pair of x adds both products to 16 float accumulators, so a
 // tile of 64 outputs is 4 loads and 4 dot products per input pair and per row, with no
-// horizontal reduction and the weight read once, front to back. Up to 4 rows share each load
-// (16 accumulators); more rows re-read the tile (by then in L2) per group of 4.
+// horizontal reduction and the weight read once, front to back. Up to 6 rows share each load
+// (24 accumulators); more rows re-read the tile (by then in L2) per group of 6.
 //
 // Numerics: float32 accumulation over the inputs in order (of each pair the odd input first,
 // as vdpbf16ps adds them; a bf16 product is exact in float, so each add is one rounding),

@@ -81,6 +81,24 @@ def test_rows_independent_batch_dims_and_threads():
     assert torch.equal(got, single)
 
 
+@pytest.mark.parametrize("out_features", [576, 570, 200])
+def test_split_between_threads_gives_the_same_bits(out_features):
+    """Weights large enough to split over threads (570 and 200: a partial last tile): bitwise
+    one thread's result, and within float32 sums of float64."""
+    x, weight, b = case(7, out_features, 1536)
+    tiles = ops.pack_linear_tiles(weight)
+    threads = torch.get_num_threads()
+    try:
+        outs = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs[n] = ops.tiled_linear(x, tiles, out_features, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
+    assert_within_float32_sums(outs[2], x, weight, b)
+
+
 def test_every_isa_build_gives_the_same_bits(cpu_isa):
     x, weight, b = case(7, 160, 130)
     tiles = ops.pack_linear_tiles(weight)
