@@ -40,6 +40,18 @@ def ratio_summary(base: list, other: list) -> dict:
     }
 
 
+def time_pairs(calls: dict, pairs: int) -> dict:
+    """{name: fn} -> {name: seconds of each call}: the calls interleaved, `pairs` rounds, the
+    order alternating (the shared machine drifts; a round does not)."""
+    times: dict = {name: [] for name in calls}
+    for i in range(pairs):
+        for name in calls if i % 2 == 0 else reversed(calls):
+            t0 = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def step_args(T, cache):
     """A verify step's arguments: a chain of T nodes over cache's slot 0."""
     parents = torch.arange(-1, T - 1, dtype=torch.int32)[None]
@@ -88,13 +100,11 @@ def main():
     rows = []
     with torch.inference_mode():
         for T in trees:
-            times = {name: [] for name in models}
             args = {name: step_args(T, cache) for name, (_, cache) in models.items()}
-            for i in range(opts.pairs):
-                for name in models if i % 2 == 0 else reversed(models):
-                    t0 = time.perf_counter()
-                    models[name][0](*args[name])
-                    times[name].append(time.perf_counter() - t0)
+            times = time_pairs(
+                {name: lambda name=name, a=args: models[name][0](*a[name]) for name in models},
+                opts.pairs,
+            )
             row = {"what": "verify step", "T": T, "ctx": opts.ctx, "threads": opts.threads}
             row.update(ratio_summary(times["4K"], times["2M"]))
             rows.append(row)
@@ -109,13 +119,12 @@ def main():
             for name, (model, _) in models.items()
         }
         xs = {k: torch.randn(1, k, dtype=torch.bfloat16) for _, _, k in linears["4K"]}
-        times = {name: [] for name in models}
-        for i in range(opts.pairs):
-            for name in models if i % 2 == 0 else reversed(models):
-                t0 = time.perf_counter()
-                for tiles, n, k in linears[name]:
-                    torch.ops.specdec.tiled_linear(xs[k], tiles, n, None)
-                times[name].append(time.perf_counter() - t0)
+
+        def products(name):
+            for tiles, n, k in linears[name]:
+                torch.ops.specdec.tiled_linear(xs[k], tiles, n, None)
+
+        times = time_pairs({name: lambda name=name: products(name) for name in models}, opts.pairs)
         mb = sum(t.numel() * t.element_size() for t, _, _ in linears["4K"]) / 1e6
         row = {"what": "linears, 1 row", "linears": len(linears["4K"]), "weight_mb": round(mb)}
         row.update(ratio_summary(times["4K"], times["2M"]))
