@@ -52,6 +52,15 @@ def time_pairs(calls: dict, pairs: int) -> dict:
     return times
 
 
+def packed_tiles(model) -> list:
+    """[(tiles, out_features, in_features)] of the model's linears packed as tiles."""
+    return [
+        (m._pack._packed["tiles"], m.weight.shape[0], m.weight.shape[1])
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and "tiles" in m._pack._packed
+    ]
+
+
 def step_args(T, cache):
     """A verify step's arguments: a chain of T nodes over cache's slot 0."""
     parents = torch.arange(-1, T - 1, dtype=torch.int32)[None]
@@ -86,13 +95,10 @@ def main():
             for T in trees:
                 model(*step_args(T, cache))
     del os.environ["SPECDEC_HUGE_PAGES"]
+    linears = {name: packed_tiles(model) for name, (model, _) in models.items()}
     in_arena = {
-        name: sum(
-            m._pack._packed["tiles"].untyped_storage().nbytes() >= host_memory.CHUNK_BYTES
-            for m in model.modules()
-            if isinstance(m, PackedLinear) and "tiles" in m._pack._packed
-        )
-        for name, (model, _) in models.items()
+        name: sum(t.untyped_storage().nbytes() >= host_memory.CHUNK_BYTES for t, _, _ in tiles)
+        for name, tiles in linears.items()
     }
     print("linears with their tiles in 2 MB pages:", in_arena)
     assert in_arena["4K"] == 0 and in_arena["2M"] > 0
@@ -110,14 +116,6 @@ def main():
             rows.append(row)
             print(row, flush=True)
         # the linears alone, over each copy's own tiles
-        linears = {
-            name: [
-                (m._pack._packed["tiles"], m.weight.shape[0], m.weight.shape[1])
-                for m in model.modules()
-                if isinstance(m, PackedLinear) and "tiles" in m._pack._packed
-            ]
-            for name, (model, _) in models.items()
-        }
         xs = {k: torch.randn(1, k, dtype=torch.bfloat16) for _, _, k in linears["4K"]}
 
         def products(name):

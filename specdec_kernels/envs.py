@@ -60,7 +60,7 @@ SPECDEC_HUGE_PAGES         Whether the bf16 linears' packed tiles (above) live i
                            2 MB pages (``specdec.host_memory``; Linux transparent huge
                            pages, asked for with ``MADV_HUGEPAGE``): ``1`` on, ``0``
                            off, ``auto`` (default): on where the kernel's transparent
-                           huge pages are not ``never`` (measured 0.71-0.73x the time
+                           huge pages are not ``never`` (measured 0.83-0.88x the time
                            of a step's linears from 4 KB pages). Bitwise no change.
 SPECDEC_LAYER_OPS          Whether the decode engine runs the RMSNorm, RoPE and SwiGLU
                            of bf16 / fp16 models on CPU as specdec's C++ layer ops

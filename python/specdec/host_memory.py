@@ -4,10 +4,10 @@ linears' packed weights (specdec.packed_linear's tiles).
 Why: a decode step on a CPU reads its ~270 MB of weights front to back, and from 4 KB pages
 that stream pays a page walk every 4 KB and its hardware prefetch restarts at every page
 boundary. On the session-13 AMD EPYC (Zen 4, 2 vCPUs) the 121 linears of a SmolLM2-135M step
-over their tiles took 0.71-0.73x the time from 2 MB pages (benchmarks/RESULTS.md, session 13;
-interleaved pairs, 1 and 2 threads). torch's CPU allocator hands out 4 KB pages unless the
-kernel's transparent huge pages are in `always` mode; in the usual `madvise` mode a region
-gets them only when asked.
+over their tiles took 0.83-0.88x the time from 2 MB pages, a verify step 0.88-0.99x
+(benchmarks/RESULTS.md, session 13; pair by pair, 1 and 2 threads). torch's CPU allocator
+hands out 4 KB pages unless the kernel's transparent huge pages are in `always` mode; in the
+usual `madvise` mode a region gets them only when asked.
 
 `streamed(t)` copies a CPU tensor into an arena of anonymous mappings advised with
 MADV_HUGEPAGE (chunks of CHUNK_BYTES, 2 MB aligned; each tensor 64-byte aligned in them) and

@@ -22,7 +22,7 @@ when it pays: CPU, bfloat16 weights, oneDNN with bf16 support, SPECDEC_PREPACK_W
 The packed copy is an extra copy of the weights (the original stays for training, state_dict,
 tensor-parallel slicing); a weight changed in place is repacked at its next call. The tiles,
 streamed whole every step, live in 2 MB pages where the OS has them (specdec.host_memory,
-SPECDEC_HUGE_PAGES: a step 0.88-0.95x the time from 4 KB pages, session 13).
+SPECDEC_HUGE_PAGES: a step 0.88-0.99x the time from 4 KB pages, session 13).
 """
 
 import functools
