@@ -37,7 +37,7 @@ from .device_memory import free_memory
 from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
 from .drafting import BatchSampling, TreeSpec
 from .errors import InvalidRequestError, InvalidTreeSpecError
-from .model import Transformer
+from .model import Transformer, modules_unchanged
 from .stats import Stats, timed
 
 if TYPE_CHECKING:
@@ -310,10 +310,18 @@ class Engine:
     ) -> tuple[list[Result], Stats]:
         """Runs every request to completion -> (list[Result] in input order, aggregate Stats).
         progress: optional callable(result) invoked as each request finishes (for an invalid
-        request: at the start, before any work)."""
-        run = self.stream(requests, on_finish=progress)
-        for _ in run:
-            pass
+        request: at the start, before any work).
+
+        The model's and the drafter's modules are checked for changes (weights, parameters,
+        eps, flags) at the first step and after each progress call, not at every step
+        (model.modules_unchanged): change them from progress (a change another thread makes
+        meanwhile shows from the next generate call on). step() and stream() check every step."""
+        with modules_unchanged(self.model, *self.drafter.modules()) as unchanged:
+            run = self.stream(
+                requests, on_finish=None if progress is None else unchanged.recheck_after(progress)
+            )
+            for _ in run:
+                pass
         return run.results, run.stats
 
     def stream(

@@ -7,7 +7,9 @@ import torch
 
 import specdec_kernels.ops as ops
 from specdec import layer_ops, packed_linear
-from specdec.model import Attention, FeedForward, RMSNorm, TransformerBlock
+from specdec.eagle import EagleHead
+from specdec.engine import Engine, Request, SamplingParams
+from specdec.model import Attention, FeedForward, RMSNorm, TransformerBlock, modules_unchanged
 
 from test_engine import bf16_run, tiny_model
 
@@ -209,6 +211,83 @@ def test_decode_layer_sees_changes_after_a_step(layout, change, monkeypatch):
     expected = model.forward(*args)
     for a, b in zip(cached, expected):  # decode_layer is bitwise the modules' layer ops
         assert torch.equal(a, b)
+
+
+def count_decode_key_calls(monkeypatch):
+    """-> a list that grows by one per TransformerBlock._decode_key call (the modules' check)."""
+    calls = []
+    original = TransformerBlock._decode_key
+
+    def counted(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(TransformerBlock, "_decode_key", counted)
+    return calls
+
+
+def test_modules_unchanged_checks_once_per_kind(monkeypatch):
+    """Inside modules_unchanged() a verify step checks the blocks against their cached
+    arguments once per kind of step (the first; again after recheck()); outside it, and
+    after it ends, every step checks. The outputs are the same either way."""
+    checks = count_decode_key_calls(monkeypatch)
+    model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
+    layer_ops.configure(model, True)
+    torch.manual_seed(0)
+    cache, slots, prompts, args = verify_inputs(model)
+    model.prefill(prompts, cache, slots)
+    n = len(model.layers)
+    expected = model.forward(*args)
+    counts = []
+    with modules_unchanged(model) as unchanged:
+        for step in range(4):
+            if step == 2:
+                unchanged.recheck()
+            checks.clear()
+            out = model.forward(*args)
+            counts.append(len(checks))
+            for a, b in zip(out, expected):
+                assert torch.equal(a, b)
+    checks.clear()
+    model.forward(*args)
+    assert counts == [n, 0, n, 0] and len(checks) == n
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_generate_sees_changes_made_by_its_progress_callback(head):
+    """Engine.generate trusts the modules between its steps, but a progress callback is
+    caller code: a change it makes (the target's or the head's weights updated in place) must
+    show from the next step on, as in an engine built on the changed modules."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    params = SamplingParams(max_new_tokens=12)
+
+    def build():
+        model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
+        eagle = EagleHead.random(model, version=2, seed=0).to(torch.bfloat16) if head else None
+        return model, eagle
+
+    def change(model, eagle):
+        with torch.no_grad():
+            if eagle is not None:
+                eagle.layer.feed_forward.w2.weight.mul_(-3)
+            model.layers[1].feed_forward.w2.weight.mul_(-3)
+
+    def tokens(model, eagle, reqs, progress=None):
+        eng = Engine(
+            model, head=eagle, tree="chain:2" if head else "chain:1", batch_size=1, max_seq_len=64
+        )
+        results, _ = eng.generate([Request(p, params) for p in reqs], progress=progress)
+        return [r.token_ids for r in results]
+
+    model, eagle = build()
+    changed = tokens(model, eagle, prompts, progress=lambda result: change(model, eagle))
+    model, eagle = build()
+    first = tokens(model, eagle, prompts[:1])
+    change(model, eagle)
+    second = tokens(model, eagle, prompts[1:])
+    assert changed == first + second
+    model, eagle = build()
+    assert tokens(model, eagle, prompts[1:]) != second  # the change shows in the tokens
 
 
 def test_decode_layer_leaves_other_linears_to_the_modules(monkeypatch):

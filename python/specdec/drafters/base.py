@@ -122,6 +122,11 @@ class Drafter(ABC):
         """Adaptive mode's cost model on this machine (only called when .adaptive)."""
         raise NotImplementedError(f"the {self.name} drafter has no adaptive mode")
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules it runs (Engine.generate trusts them not to change while it runs:
+        model.modules_unchanged)."""
+        return []
+
     # ------------------------------------------------------------------ per run
     def setup(self, setup: Setup) -> None:  # noqa: B027 (an optional hook: most drafters keep no state)
         """Allocates per-slot state (called once by the engine)."""

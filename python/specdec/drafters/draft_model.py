@@ -163,6 +163,9 @@ class DraftModelDrafter(Drafter):
         self.net = DraftNet(model, n_layers)
         self.label = label or f"draft model ({self.net.n_layers} layers)"
 
+    def modules(self):
+        return [self.net.model]
+
     @classmethod
     def self_draft(cls, target: Transformer, n_layers) -> "DraftModelDrafter":
         """The target's first n_layers blocks + its final norm and LM head, weights shared."""

@@ -28,6 +28,9 @@ class EagleDrafter(Drafter):
         self.head = head
         self.feature_layers = head.feature_layers
 
+    def modules(self):
+        return [self.head]
+
     def check(self, tree, max_nodes: int) -> None:
         tree.check_fits(max_nodes, self.head.draft_vocab_size)
 

@@ -72,6 +72,9 @@ class MedusaDrafter(Drafter):
     def __init__(self, heads):
         self.heads = heads
 
+    def modules(self):
+        return [self.heads]
+
     # ------------------------------------------------------------------ sizing
     def _shape(self, tree):
         """-> (depth, topk, total) this drafter uses for tree."""

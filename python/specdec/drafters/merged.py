@@ -93,6 +93,9 @@ class MergedDrafter(Drafter):
         self.head = eagle.head
         self.feature_layers = eagle.feature_layers
 
+    def modules(self):
+        return self.eagle.modules() + self.ngram.modules()
+
     def check(self, tree, max_nodes: int) -> None:
         if tree.kind == "chain":
             raise InvalidTreeSpecError(
