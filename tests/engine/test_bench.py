@@ -77,6 +77,7 @@ def test_quick_bench_json_fields_and_plots(models, tmp_path):
         "eagle_chain2",
         "eagle_tree(dynamic:2,2,4)",
         "eagle_adaptive",
+        "eagle+ngram_adaptive",
     ]
     assert "hf_prompt_lookup" not in sampled and "eagle_chain2" in sampled
     for name, r in greedy.items():
@@ -182,8 +183,8 @@ def test_repeats_alternate_the_method_order(monkeypatch, models):
     ours, _ = models
     calls = []
 
-    def fake_ours(model, tokenizer, head, tree, *args):
-        calls.append(tree)
+    def fake_ours(model, tokenizer, head, tree, *args, ngram=False):
+        calls.append(f"ngram+{tree}" if ngram else tree)
         return {"tokens_per_s": 1.0, "mean_acceptance_length": 1.0, "outputs": [[5]]}
 
     def fake_llamacpp(ggufs, *args):
@@ -212,10 +213,10 @@ def test_repeats_alternate_the_method_order(monkeypatch, models):
         llamacpp_ggufs={"bf16": "unused.gguf"},
         repeats=3,
     )
-    first = ["llama.cpp", "chain:1", "chain:2", "dynamic:2,2,4", "adaptive"]
+    first = ["llama.cpp", "chain:1", "chain:2", "dynamic:2,2,4", "adaptive", "ngram+adaptive"]
     assert calls == first + first[::-1] + first
     names = ["llama.cpp bf16", "plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)"]
-    assert list(result["batch1"]["0.0"]) == names + ["eagle_adaptive"]
+    assert list(result["batch1"]["0.0"]) == names + ["eagle_adaptive", "eagle+ngram_adaptive"]
 
 
 def test_cli_rejects_bad_repeats(capsys):

@@ -36,16 +36,22 @@ def run_ours(
     batch_size: int,
     max_new_tokens: int,
     seed: int,
+    ngram: bool = False,
 ) -> dict:
-    """Our engine (plain when head is None) on every prompt -> result dict (Stats fields,
-    plus the generated token ids)."""
+    """Our engine (plain when head is None; with ngram, EAGLE and prompt lookup merged, the
+    `eagle+ngram` drafter) on every prompt -> result dict (Stats fields, plus the generated
+    token ids)."""
+    from ..drafters import EagleDrafter, NgramDrafter
+    from ..drafters.merged import MergedDrafter
     from ..engine import Engine, Request, SamplingParams
 
     t0 = time.perf_counter()
+    drafter = MergedDrafter(EagleDrafter(head), NgramDrafter()) if ngram else None
     engine = Engine(
         model,
         tokenizer,
-        head=head,
+        head=None if ngram else head,
+        drafter=drafter,
         tree=tree,
         batch_size=batch_size,
         max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens + 1,
@@ -76,6 +82,7 @@ def methods(head, chain_ks, tree: str, adaptive: str, hf: bool):
         out += [(f"eagle_chain{k}", "ours", f"chain:{k}") for k in chain_ks]
         out.append((f"eagle_tree({tree})", "ours", tree))
         out.append(("eagle_adaptive", "ours", adaptive))
+        out.append(("eagle+ngram_adaptive", "ours_ngram", adaptive))
     return out
 
 
@@ -263,6 +270,7 @@ def _batch1_rows(
                 1,
                 max_new_tokens,
                 seed,
+                ngram=kind == "ours_ngram",
             )
         log(
             f"[T={temp}] {name}: {rows[name]['tokens_per_s']:.2f} tok/s, acceptance "
