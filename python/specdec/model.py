@@ -401,26 +401,25 @@ class TransformerBlock(nn.Module):
         conversion rebuild them, and WeightPack repacks), eps, the layer ops flag and whether
         x's rows take the weights' tiles or oneDNN's layout (packed_linear.uses_tiles); under
         modules_unchanged() the modules' part is checked once per kind of x."""
-        kind = (x.dtype, x.numel() // x.shape[-1] <= tiled_rows())
-        cached = self.__dict__.get("_decode_cache")
-        checked = self.__dict__.get("_unchanged_kinds")
-        if checked is not None and kind in checked and cached is not None and cached[0][:2] == kind:
-            return cached[1]
-        key = (*kind, self._decode_key())
-        if checked is not None:
-            checked.add(kind)
-        if cached is None or cached[0] != key:
-            modules: dict[str, Any] = self._modules
-            attn, ff = modules["attention"], modules["feed_forward"]
-            norms = (modules["attention_norm"], modules["ffn_norm"])
-            linears = tuple(attn._modules[n] for n in ("wqkv", "wo")) + tuple(
-                ff._modules[n] for n in ("w13", "w2")
-            )
-            weights = self._decode_weights(x, attn, norms, linears)
-            shape = (attn.layer_idx, attn.n_heads, attn.n_kv_heads, attn.scale)
-            args = None if weights is None else (weights, shape)
-            cached = self.__dict__["_decode_cache"] = (key, args)
-        return cached[1]
+        kind = _decode_kind(x)
+        hit = _checked_decode_args(self, "_decode_cache", kind)
+        if hit is not None:
+            return hit[0]
+        return _cache_decode_args(
+            self, "_decode_cache", (*kind, self._decode_key()), lambda: self._collect_args(x)
+        )
+
+    def _collect_args(self, x: Tensor) -> tuple[tuple, tuple[int, int, int, float]] | None:
+        """_decode_args' result, gathered from the modules (uncached)."""
+        modules: dict[str, Any] = self._modules
+        attn, ff = modules["attention"], modules["feed_forward"]
+        norms = (modules["attention_norm"], modules["ffn_norm"])
+        linears = tuple(attn._modules[n] for n in ("wqkv", "wo")) + tuple(
+            ff._modules[n] for n in ("w13", "w2")
+        )
+        weights = self._decode_weights(x, attn, norms, linears)
+        shape = (attn.layer_idx, attn.n_heads, attn.n_kv_heads, attn.scale)
+        return None if weights is None else (weights, shape)
 
     def _decode_key(self) -> tuple:
         """What _decode_args' result derives from, but for x, in one flat tuple read straight
@@ -489,6 +488,34 @@ class TransformerBlock(nn.Module):
             weights[3],
             prepacked,
         )
+
+
+def _decode_kind(x: Tensor) -> tuple:
+    """The part of the cached decode arguments' key that comes from x, not the modules: its
+    dtype and whether its rows take the weights' tiles (packed_linear.uses_tiles)."""
+    return (x.dtype, x.numel() // x.shape[-1] <= tiled_rows())
+
+
+def _checked_decode_args(module: nn.Module, cache: str, kind: tuple) -> tuple | None:
+    """(the arguments cached in module.__dict__[cache],) when they are for kind and
+    modules_unchanged() has checked them against the modules already; else None."""
+    cached, checked = module.__dict__.get(cache), module.__dict__.get("_unchanged_kinds")
+    if checked is not None and kind in checked and cached is not None and cached[0][:2] == kind:
+        return (cached[1],)
+    return None
+
+
+def _cache_decode_args(module: nn.Module, cache: str, key: tuple, collect: Callable) -> Any:
+    """module.__dict__[cache]'s arguments when they were cached under key (kind + the
+    modules' part), else collect()'s, cached under it; under modules_unchanged() the key's kind
+    counts as checked from here on."""
+    checked = module.__dict__.get("_unchanged_kinds")
+    if checked is not None:
+        checked.add(key[:2])
+    cached = module.__dict__.get(cache)
+    if cached is None or cached[0] != key:
+        cached = module.__dict__[cache] = (key, collect())
+    return cached[1]
 
 
 def _stack_decode_args(
@@ -623,11 +650,10 @@ class Transformer(nn.Module):
             or (not meta.packed and x.shape[1] != meta.tree_mask.shape[1])  # type: ignore[union-attr]
         ):
             return None
-        kind = (x.dtype, x.numel() // x.shape[-1] <= tiled_rows())
-        cached = self.__dict__.get("_decode_layers_cache")
-        checked = self.__dict__.get("_unchanged_kinds")
-        if checked is not None and kind in checked and cached is not None and cached[0][:2] == kind:
-            return cached[1]
+        kind = _decode_kind(x)
+        hit = _checked_decode_args(self, "_decode_layers_cache", kind)
+        if hit is not None:
+            return hit[0]
         blocks: list[TransformerBlock] = list(self.layers._modules.values())  # type: ignore[arg-type]
         if (
             not blocks
@@ -636,12 +662,12 @@ class Transformer(nn.Module):
             or blocks[0].layer_ops is not True  # the others' flags: _stack_decode_args
         ):
             return None
-        key = (*kind, tuple(b._decode_key() for b in blocks))
-        if checked is not None:
-            checked.add(kind)
-        if cached is None or cached[0] != key:
-            cached = self.__dict__["_decode_layers_cache"] = (key, _stack_decode_args(x, blocks))
-        return cached[1]
+        return _cache_decode_args(
+            self,
+            "_decode_layers_cache",
+            (*kind, tuple(b._decode_key() for b in blocks)),
+            lambda: _stack_decode_args(x, blocks),
+        )
 
     def _run_decode_layers(
         self,
