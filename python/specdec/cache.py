@@ -58,6 +58,8 @@ class PagedKVCache:
         if valid is None:
             return rows, None
         picked = valid.flatten().nonzero().flatten()
+        if picked.numel() == rows.numel():  # every entry valid (a batch-1 tree always): no
+            return rows, None  # selection, so no layer copies its K / V rows through one
         return rows[picked], picked
 
     def write_rows(
