@@ -146,15 +146,20 @@ class BatchSampling:
     """Per-request sampling parameters of the active batch.
 
     temperature: float32 [B] (0 = greedy); top_k: int32 [B] (0 = off); top_p: float32 [B]
-    (1 = off); generators: one torch.Generator per request."""
+    (1 = off); generators: one torch.Generator per request; random: whether any request
+    samples (temperature > 0), when the caller knows it on the host (None: read from
+    temperature)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     generators: list
+    random: bool | None = None
 
     @property
     def any_random(self) -> bool:
+        if self.random is not None:
+            return self.random
         return bool((self.temperature > 0).any())
 
 
@@ -223,7 +228,7 @@ def draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling) -> Draf
     parents = torch.arange(-1, K, dtype=torch.int32, device=dev).expand(B, K + 1).contiguous()
     sampled = sampling.any_random
     draft_probs = None
-    tree = HeadTree(head, cache, slots, K)
+    tree = HeadTree(head, cache, slots, K) if K > 1 else None  # chain:1 drafts from hidden only
     feature = hidden
     for d in range(1, K + 1):
         logits = head.draft_logits(feature)  # [B, Vd]
@@ -236,7 +241,7 @@ def draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling) -> Draf
             draft_probs[:, d - 1] = q
         else:
             tokens[:, d] = head.draft_to_target(logits.argmax(-1))
-        if d < K:
+        if tree is not None and d < K:
             parent = torch.full((B, 1), d - 1, device=dev)
             feature = tree.add(tokens[:, d : d + 1], feature[:, None], parent, depth=d)[:, 0]
     return Draft(

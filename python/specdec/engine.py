@@ -701,6 +701,7 @@ class Engine:
             top_k=torch.tensor([x.top_k for x in p], dtype=torch.int32, device=self.device),
             top_p=torch.tensor([x.top_p for x in p], dtype=torch.float32, device=self.device),
             generators=[s.generator for s in seqs],
+            random=any(x.temperature > 0 for x in p),
         )
 
     def _sample(self, sp: BatchSampling, logits, d, seqs):

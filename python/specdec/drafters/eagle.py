@@ -54,6 +54,7 @@ class EagleDrafter(Drafter):
         )
         # per slot: (tokens, target features) accepted since the head last ran (_catch_up)
         self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._chains: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # _chain's
 
     def start(self, slots, prompts, first_tokens, hidden, aux, ok) -> None:
         """Queues the head's pass over (prompt[t + 1], feature[t]) for t < S, the last pair
@@ -67,11 +68,11 @@ class EagleDrafter(Drafter):
                 self.pending.pop(slot, None)
 
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
-        self._catch_up(slots)
+        hidden = self._catch_up(slots)
         d = drafting.draft(
             self.tree,
             self.head,
-            self.draft_hidden[slots],
+            self.draft_hidden[slots] if hidden is None else hidden,
             self.cache,
             slots,
             roots,
@@ -96,41 +97,72 @@ class EagleDrafter(Drafter):
             if good:
                 self.pending.setdefault(slot, []).append((tok[:n], feat[:n]))
 
-    def _catch_up(self, slots):
+    def _catch_up(self, slots) -> torch.Tensor | None:
         """Runs the head over the (token, target feature) pairs queued since it last ran (the
         prompt's, then each step's accepted ones): one call for however many steps that was,
         so adaptive mode's plain steps skip the head entirely and pay for it in one batched
-        pass when drafting resumes."""
+        pass when drafting resumes. Returns the drafting state of every slot, [B, dim], when
+        each had pairs queued (the usual step: no read-back of draft_hidden), else None."""
         slot_ids = slots.tolist()
         rows = [i for i, s in enumerate(slot_ids) if self.pending.get(s)]
         if not rows:
-            return
+            return None
         chunks = [self.pending.pop(slot_ids[i]) for i in rows]
         # (one chunk, one request: the usual batch-1 step, without the copies)
-        tokens = [c[0][0] if len(c) == 1 else torch.cat([t for t, _ in c]) for c in chunks]
-        feats = [c[0][1] if len(c) == 1 else torch.cat([f for _, f in c]) for c in chunks]
-        counts = torch.tensor([len(t) for t in tokens], dtype=torch.int32, device=self.device)
+        token_runs = [c[0][0] if len(c) == 1 else torch.cat([t for t, _ in c]) for c in chunks]
+        feat_runs = [c[0][1] if len(c) == 1 else torch.cat([f for _, f in c]) for c in chunks]
+        lengths = [len(t) for t in token_runs]
         if len(rows) == 1:
-            tokens, feats = tokens[0][None], feats[0][None]
+            tokens, feats = token_runs[0][None], feat_runs[0][None]
         else:
-            tokens = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True)
-            feats = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)
-        self._extend(slots if len(rows) == len(slot_ids) else slots[rows], tokens, feats, counts)
+            tokens = torch.nn.utils.rnn.pad_sequence(token_runs, batch_first=True)
+            feats = torch.nn.utils.rnn.pad_sequence(feat_runs, batch_first=True)
+        if len(rows) == len(slot_ids):
+            return self._extend(slots, tokens, feats, lengths)
+        self._extend(slots[rows], tokens, feats, lengths)
+        return None
 
-    def _extend(self, slots, tokens, features, counts):
-        """Appends counts[b] (token, target feature) pairs to the head's cache of each slot and
-        stores the head's output after the last one as the next drafting state.
-        tokens: long [B, M]; features: [B, M, F]; counts: int [B] in [1, M]."""
+    def _extend(self, slots, tokens, features, lengths: list[int]) -> torch.Tensor:
+        """Appends lengths[b] (token, target feature) pairs to the head's cache of each slot and
+        stores the head's output after the last one as the next drafting state (returned too,
+        [B, dim]). tokens: long [B, M]; features: [B, M, F]; lengths: B ints in [1, M]."""
         B, M = tokens.shape
-        counts = counts.to(torch.int32)
-        parents = (
-            torch.arange(-1, M - 1, dtype=torch.int32, device=self.device).expand(B, M).contiguous()
-        )
-        tree_mask, depth = ops.build_tree_mask(parents, counts)
+        full = all(n == M for n in lengths)  # no padding (batch 1 always): the chain's own
+        if full:
+            counts, tree_mask, depth = self._chain(B, M)
+        else:
+            counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+            parents = torch.arange(-1, M - 1, dtype=torch.int32, device=self.device)
+            tree_mask, depth = ops.build_tree_mask(parents.expand(B, M).contiguous(), counts)
         lens = self.cache.cache_lens[slots]
         hidden = self.head(
-            tokens, features, self.cache, slots, lens, 0, counts, tree_mask, lens[:, None] + depth
+            tokens,
+            features,
+            self.cache,
+            slots,
+            lens,
+            0,
+            counts,
+            tree_mask,
+            lens[:, None] + depth,
         )
-        self.cache.cache_lens[slots] += counts
-        last = hidden[torch.arange(B, device=self.device), counts.long() - 1]
+        self.cache.cache_lens.index_add_(0, slots, counts)
+        if full:
+            last = hidden[:, -1]
+        else:
+            last = hidden[torch.arange(B, device=self.device), counts.long() - 1]
         self.draft_hidden[slots] = last
+        return last
+
+    def _chain(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+        """(num_nodes int32 [B] = length, tree_mask, depth) of B unpadded chains of `length`
+        nodes: the same every step of that shape, so built once (read-only: the ops take them
+        as inputs)."""
+        key = (batch, length)
+        chain = self._chains.get(key)
+        if chain is None:
+            parents = torch.arange(-1, length - 1, dtype=torch.int32, device=self.device)
+            counts = torch.full((batch,), length, dtype=torch.int32, device=self.device)
+            mask, depth = ops.build_tree_mask(parents.expand(batch, length).contiguous(), counts)
+            chain = self._chains[key] = (counts, mask, depth)
+        return chain
