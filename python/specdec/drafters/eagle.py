@@ -127,7 +127,7 @@ class EagleDrafter(Drafter):
         stores the head's output after the last one as the next drafting state (returned too,
         [B, dim]). tokens: long [B, M]; features: [B, M, F]; lengths: B ints in [1, M]."""
         B, M = tokens.shape
-        full = all(n == M for n in lengths)  # no padding (batch 1 always): the chain's own
+        full = all(n == M for n in lengths)  # no run is padded (batch 1: always)
         if full:
             counts, tree_mask, depth = self._chain(B, M)
         else:
