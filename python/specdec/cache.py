@@ -58,8 +58,10 @@ class PagedKVCache:
         if valid is None:
             return rows, None
         picked = valid.flatten().nonzero().flatten()
-        if picked.numel() == rows.numel():  # every entry valid (a batch-1 tree always): no
-            return rows, None  # selection, so no layer copies its K / V rows through one
+        # every entry valid (a batch-1 tree always): no selection, so that no layer copies its
+        # K / V rows through one that keeps them all
+        if picked.numel() == rows.numel():
+            return rows, None
         return rows[picked], picked
 
     def write_rows(

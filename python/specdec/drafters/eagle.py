@@ -132,8 +132,7 @@ class EagleDrafter(Drafter):
             counts, tree_mask, depth = self._chain(B, M)
         else:
             counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)
-            parents = torch.arange(-1, M - 1, dtype=torch.int32, device=self.device)
-            tree_mask, depth = ops.build_tree_mask(parents.expand(B, M).contiguous(), counts)
+            tree_mask, depth = self._chain_mask(counts, M)
         lens = self.cache.cache_lens[slots]
         hidden = self.head(
             tokens,
@@ -161,8 +160,11 @@ class EagleDrafter(Drafter):
         key = (batch, length)
         chain = self._chains.get(key)
         if chain is None:
-            parents = torch.arange(-1, length - 1, dtype=torch.int32, device=self.device)
             counts = torch.full((batch,), length, dtype=torch.int32, device=self.device)
-            mask, depth = ops.build_tree_mask(parents.expand(batch, length).contiguous(), counts)
-            chain = self._chains[key] = (counts, mask, depth)
+            chain = self._chains[key] = (counts, *self._chain_mask(counts, length))
         return chain
+
+    def _chain_mask(self, counts, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """build_tree_mask of B chains padded to `length` nodes, counts[b] real (int32 [B])."""
+        parents = torch.arange(-1, length - 1, dtype=torch.int32, device=self.device)
+        return ops.build_tree_mask(parents.expand(len(counts), length).contiguous(), counts)
