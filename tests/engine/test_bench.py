@@ -225,3 +225,90 @@ def test_cli_rejects_bad_repeats(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--repeats", "0"])
     assert exc.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_interleave_decodes_prompt_by_prompt(monkeypatch, models):
+    """interleave=True: every method set up once, then each prompt decoded by every method in
+    turn, the order reversed every other prompt (llama.cpp's rows, faked, last on odd
+    prompts); rows keep the usual order and names, a row's counts are its prompts' sums, and
+    greedy outputs are those of the method-after-method run (every method against plain, and
+    our plain against run_ours over the same prompts)."""
+    import specdec.apps.bench as bench
+    import specdec.apps.llamacpp_baseline as llamacpp_baseline
+
+    ours, hf = models
+    tok = CharTokenizer()
+    prompts = ["Why is the sky blue?", "abc", "hello there"]
+    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    plain = bench.run_ours(ours, tok, None, "chain:1", prompt_ids, 0.0, 1, 6, 0)["outputs"]
+    calls = []
+
+    def fake_decoders(ggufs, ids, n, temp, threads, seed, eos):
+        assert ids == prompt_ids and n == 6 and threads == torch.get_num_threads()
+
+        def generate(prompt, n, request_seed):
+            i = prompt_ids.index(list(prompt))
+            calls.append(("llama.cpp", i))
+            assert request_seed == seed + i
+            return list(plain[i])
+
+        return [("llama.cpp bf16", generate)]
+
+    generate = bench.OursMethod.generate
+
+    def spy(self, ids, temperature, seed):
+        calls.append((str(self.engine.tree), prompt_ids.index(list(ids[0]))))
+        return generate(self, ids, temperature, seed)
+
+    monkeypatch.setattr(llamacpp_baseline, "bench_decoders", fake_decoders)
+    monkeypatch.setattr(bench.OursMethod, "generate", spy)
+    head = EagleHead.random(ours, version=2, seed=0)
+    result = run_bench(
+        ours,
+        tok,
+        head,
+        prompts,
+        max_new_tokens=6,
+        temperatures=(0.0,),
+        chain_ks=(2,),
+        tree="dynamic:2,2,4",
+        batch_sizes=(),
+        log=lambda m: None,
+        hostile=False,
+        adaptive="adaptive:2,2,4",
+        llamacpp_ggufs={"bf16": "unused.gguf"},
+        interleave=True,
+    )
+    greedy = result["batch1"]["0.0"]
+    assert result["config"]["interleave"] is True
+    assert list(greedy) == [
+        "llama.cpp bf16",
+        "plain",
+        "eagle_chain2",
+        "eagle_tree(dynamic:2,2,4)",
+        "eagle_adaptive",
+        "eagle+ngram_adaptive",
+    ]
+    methods = ["llama.cpp", "chain:1", "chain:2", "dynamic:2,2,4", "adaptive:2,2,4"]
+    methods.append("adaptive:2,2,4")  # eagle+ngram
+    per_prompt = [[m for m, i in calls if i == k] for k in range(3)]
+    assert per_prompt == [methods, methods[::-1], methods]
+    assert [i for _, i in calls] == [0] * 6 + [1] * 6 + [2] * 6
+    for name, r in greedy.items():
+        assert r["same_tokens_as_plain"] == 1.0, name
+        assert r["num_requests"] == 3 and r["tokens_per_s"] > 0
+    assert greedy["plain"]["generated_tokens"] == sum(len(o) for o in plain)
+    assert greedy["plain"]["target_forwards"] == sum(len(o) for o in plain) - 3
+    tree = greedy["eagle_tree(dynamic:2,2,4)"]
+    assert sum(tree["first_rejection_hist"]) == tree["target_forwards"]
+    assert tree["mean_acceptance_length"] >= 1.0 and tree["time_s"]["verify"] > 0
+    assert greedy["eagle_adaptive"]["startup_s"] > 0 and "cost_model" in greedy["eagle_adaptive"]
+    assert greedy["llama.cpp bf16"]["generated_tokens"] == sum(len(o) for o in plain)
+
+
+def test_cli_interleave_flag():
+    from specdec.cli import build_parser
+
+    argv = ["bench", "--interleave"]
+    assert build_parser(argv).parse_args(argv).interleave is True
+    assert build_parser(["bench"]).parse_args(["bench"]).interleave is False

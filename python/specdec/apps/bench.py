@@ -26,6 +26,65 @@ from .serving import MULTIPLIERS as SERVING_MULTIPLIERS
 
 
 # ---------------------------------------------------------------------- one configuration
+class OursMethod:
+    """One of our methods, set up once: the engine (plain when head is None; with ngram, EAGLE
+    and prompt lookup merged, the `eagle+ngram` drafter) built for prompts up to max_prompt
+    tokens (adaptive mode measures its cost model here: startup_s) and warmed up."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        head,
+        tree,
+        prompt_ids: list,
+        batch_size: int,
+        max_new_tokens: int,
+        ngram: bool = False,
+    ):
+        from ..drafters import EagleDrafter, NgramDrafter
+        from ..drafters.merged import MergedDrafter
+        from ..engine import Engine
+
+        t0 = time.perf_counter()
+        drafter = MergedDrafter(EagleDrafter(head), NgramDrafter()) if ngram else None
+        self.engine = Engine(
+            model,
+            tokenizer,
+            head=None if ngram else head,
+            drafter=drafter,
+            tree=tree,
+            batch_size=batch_size,
+            max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens + 1,
+        )
+        self.startup_s = time.perf_counter() - t0
+        self.max_new_tokens = max_new_tokens
+        warm_up(self.engine, prompt_ids)
+
+    def generate(self, prompt_ids: list, temperature: float, seed: int) -> tuple[list, object]:
+        """prompt_ids[i] decoded with seed + i -> (output token ids per prompt, Stats)."""
+        from ..engine import Request, SamplingParams
+
+        requests = [
+            Request(
+                list(p),
+                SamplingParams(temperature, seed=seed + i, max_new_tokens=self.max_new_tokens),
+            )
+            for i, p in enumerate(prompt_ids)
+        ]
+        results, stats = self.engine.generate(requests)
+        return [r.token_ids for r in results], stats
+
+    def result(self, stats, outputs: list) -> dict:
+        """The bench's row: Stats fields, the outputs, and adaptive mode's start-up."""
+        out = stats.to_dict()
+        out["outputs"] = outputs
+        if self.engine.policy is not None:
+            out["startup_s"] = self.startup_s
+            out["cost_model"] = vars(self.engine.policy.cost)
+        return out
+
+
 def run_ours(
     model,
     tokenizer,
@@ -38,37 +97,11 @@ def run_ours(
     seed: int,
     ngram: bool = False,
 ) -> dict:
-    """Our engine (plain when head is None; with ngram, EAGLE and prompt lookup merged, the
-    `eagle+ngram` drafter) on every prompt -> result dict (Stats fields, plus the generated
-    token ids)."""
-    from ..drafters import EagleDrafter, NgramDrafter
-    from ..drafters.merged import MergedDrafter
-    from ..engine import Engine, Request, SamplingParams
-
-    t0 = time.perf_counter()
-    drafter = MergedDrafter(EagleDrafter(head), NgramDrafter()) if ngram else None
-    engine = Engine(
-        model,
-        tokenizer,
-        head=None if ngram else head,
-        drafter=drafter,
-        tree=tree,
-        batch_size=batch_size,
-        max_seq_len=max(len(p) for p in prompt_ids) + max_new_tokens + 1,
-    )
-    startup = time.perf_counter() - t0  # adaptive mode measures its cost model here
-    warm_up(engine, prompt_ids)
-    requests = [
-        Request(list(p), SamplingParams(temperature, seed=seed + i, max_new_tokens=max_new_tokens))
-        for i, p in enumerate(prompt_ids)
-    ]
-    results, stats = engine.generate(requests)
-    out = stats.to_dict()
-    out["outputs"] = [r.token_ids for r in results]
-    if engine.policy is not None:
-        out["startup_s"] = startup
-        out["cost_model"] = vars(engine.policy.cost)
-    return out
+    """Our engine (OursMethod) on every prompt, in one generate call -> result dict (Stats
+    fields, plus the generated token ids)."""
+    method = OursMethod(model, tokenizer, head, tree, prompt_ids, batch_size, max_new_tokens, ngram)
+    outputs, stats = method.generate(prompt_ids, temperature, seed)
+    return method.result(stats, outputs)
 
 
 # ---------------------------------------------------------------------- the benchmark
@@ -103,12 +136,15 @@ def run_bench(
     hostile: bool = True,
     llamacpp_ggufs: dict | None = None,
     repeats: int = 1,
+    interleave: bool = False,
 ) -> dict:
     """Runs every method -> the JSON-ready result: {"config", "batch1": {temperature: {method:
     stats}}, "sweep": {method: {batch_size: stats}}, "hostile": {method: stats}}; outputs
     dropped, exactness noted. llamacpp_ggufs: {label: GGUF} of llamacpp_baseline.bench_ggufs,
     whose llama.cpp rows join batch 1 (same prompt ids, tokens and threads). repeats: runs of
-    the batch-1 methods, each row then its median (_median_of_runs)."""
+    the batch-1 methods, each row then its median (_median_of_runs). interleave: each run
+    decodes the prompts one at a time by every batch-1 method in turn (_batch1_interleaved)
+    instead of method after method over all prompts."""
     from ..eagle import EagleHead
 
     if repeats < 1:
@@ -126,6 +162,7 @@ def run_bench(
             "batch_sizes": list(batch_sizes),
             "seed": seed,
             "repeats": repeats,
+            "interleave": interleave,
             "threads": torch.get_num_threads(),
             "device": str(weight.device),
             "dtype": str(weight.dtype).removeprefix("torch."),
@@ -143,7 +180,7 @@ def run_bench(
                 log(f"[T={temp}] run {rep + 1} of {repeats}")
             # odd runs take the methods in reverse: a drift within a run then favours each
             # end of the list as often, and the median ratios see both orders
-            rows = _batch1_rows(
+            rows = (_batch1_interleaved if interleave else _batch1_rows)(
                 model,
                 tokenizer,
                 head,
@@ -278,6 +315,118 @@ def _batch1_rows(
         )
     ours = [name for name, _, _ in todo]
     return {k: rows[k] for k in [k for k in rows if k not in ours] + ours}  # llama.cpp first
+
+
+def _batch1_interleaved(
+    model,
+    tokenizer,
+    head,
+    prompt_ids: list,
+    temp: float,
+    max_new_tokens: int,
+    chain_ks,
+    tree: str,
+    adaptive: str,
+    hf_model,
+    seed: int,
+    eos,
+    llamacpp_ggufs: dict | None,
+    log,
+    reverse: bool = False,
+) -> dict:
+    """_batch1_rows' rows with the prompts interleaved: every method is set up once (our
+    engines built and warmed up, llama.cpp's models loaded), then each prompt is decoded by
+    every method in turn, the order reversed every other prompt (reverse: the first prompt
+    too). A row sums its prompts' tokens and wall times, so on a machine whose speed drifts
+    every method sees the same drift, prompt by prompt. Prompt i is decoded with seed + i, as
+    in _batch1_rows; our engines keep their state (adaptive mode's statistics) from prompt to
+    prompt, as over one generate call."""
+    from ..stats import Stats
+
+    todo = [
+        m
+        for m in methods(head, chain_ks, tree, adaptive, hf_model is not None)
+        if not (m[1] == "hf" and m[2] and temp)  # HF prompt lookup is greedy-only here
+    ]
+    # (name, run(i, prompt) -> (token ids, seconds, Stats or None, acceptance or None))
+    runners: list = []
+    if llamacpp_ggufs:
+        from .llamacpp_baseline import bench_decoders
+
+        threads = torch.get_num_threads()
+        for name, generate in bench_decoders(
+            llamacpp_ggufs, prompt_ids, max_new_tokens, temp, threads, seed, eos
+        ):
+
+            def run_llamacpp_prompt(i, p, generate=generate):
+                t0 = time.perf_counter()
+                out = generate(p, max_new_tokens, seed + i)
+                return out, time.perf_counter() - t0, None, None
+
+            runners.append((name, run_llamacpp_prompt))
+    ours: dict = {}
+    for name, kind, arg in todo:
+        if kind in ("hf", "hf_specdec"):
+
+            def run_hf_prompt(i, p, kind=kind, arg=arg):
+                if kind == "hf":
+                    r = run_hf(hf_model, [p], temp, 1, max_new_tokens, seed + i, eos, arg)
+                else:
+                    r = run_hf_specdec(
+                        hf_model, head, arg, [p], temp, max_new_tokens, seed + i, eos
+                    )
+                return r["outputs"][0], r["elapsed_s"], None, r["mean_acceptance_length"]
+
+            runners.append((name, run_hf_prompt))
+            continue
+        method = ours[name] = OursMethod(
+            model,
+            tokenizer,
+            head if arg else None,
+            arg or "chain:1",
+            prompt_ids,
+            1,
+            max_new_tokens,
+            ngram=kind == "ours_ngram",
+        )
+
+        def run_ours_prompt(i, p, method=method):
+            t0 = time.perf_counter()
+            outputs, stats = method.generate([p], temp, seed + i)
+            return outputs[0], time.perf_counter() - t0, stats, None
+
+        runners.append((name, run_ours_prompt))
+    parts: dict = {name: [] for name, _ in runners}
+    for i, p in enumerate(prompt_ids):
+        for name, run in runners[::-1] if (i % 2 == 1) != reverse else runners:
+            parts[name].append(run(i, p))
+    rows: dict = {}
+    for name, done in parts.items():
+        outputs = [out for out, _, _, _ in done]
+        elapsed = sum(seconds for _, seconds, _, _ in done)
+        if name in ours:
+            stats = [st for _, _, st, _ in done]
+            time_s = {k: sum(st.time_s[k] for st in stats) for k in stats[0].time_s}
+            rows[name] = ours[name].result(Stats.aggregate(stats, time_s, elapsed), outputs)
+            continue
+        n = sum(len(o) for o in outputs)
+        accept = [a for _, _, _, a in done]
+        rows[name] = {
+            "num_requests": len(prompt_ids),
+            "generated_tokens": n,
+            "elapsed_s": elapsed,
+            "tokens_per_s": n / elapsed,
+            # HF's speculative rows: the mean over prompts, weighted by their tokens
+            "mean_acceptance_length": None
+            if None in accept
+            else sum(a * len(o) for a, o in zip(accept, outputs)) / max(n, 1),
+            "outputs": outputs,
+        }
+    log(
+        f"[T={temp}] interleaved: "
+        + ", ".join(f"{k}: {v['tokens_per_s']:.2f} tok/s" for k, v in rows.items())
+    )
+    return rows
 
 
 def _median_of_runs(runs: list) -> dict:
@@ -492,6 +641,13 @@ def add_arguments(p):
         "(each row reports its median tokens/s and median same-run speedups, every run's in "
         "*_runs): a shared machine's speed drifts between methods",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="batch 1: every method set up once, then each prompt decoded by every method in "
+        "turn (the order reversed every other prompt), so that a shared machine's drift hits "
+        "every method alike; default: method after method over all prompts",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument(
         "--output",
@@ -644,6 +800,7 @@ def run(args) -> int:
         hostile=not args.no_hostile,
         llamacpp_ggufs=ggufs,
         repeats=args.repeats,
+        interleave=args.interleave,
     )
     result["config"]["head"] = args.head or "shipped"
     if ggufs:

@@ -130,25 +130,11 @@ def load_llamacpp(gguf_path: str, threads: int, n_ctx: int, prompt_lookup: int |
         lib.llama_model_default_params = default_params
 
 
-def run_llamacpp(
-    gguf_path: str,
-    prompt_ids: list,
-    max_new_tokens: int,
-    temperature: float,
-    threads: int,
-    prompt_lookup: int | None,
-    seed: int,
-    eos_ids=(),
-    llm=None,
-) -> dict:
-    """llama.cpp on every prompt (the same token ids ours gets, one at a time) -> the dict of
-    hf_baseline.run_hf: tokens_per_s end to end, prompt processing included; outputs up to and
-    including the first EOS. Greedy (temperature 0) is llama.cpp's greedy sampler (argmax);
-    sampling is plain temperature sampling (no top-k / top-p / min-p / repetition penalty).
-    llm: a loaded Llama to reuse (else one is loaded, untimed)."""
-    if llm is None:
-        n_ctx = max(len(p) for p in prompt_ids) + max_new_tokens + (prompt_lookup or 0) + 16
-        llm = load_llamacpp(gguf_path, threads, n_ctx, prompt_lookup, seed)
+def decoder(llm, temperature: float, eos_ids=()):
+    """generate(prompt ids, n, seed) -> up to n token ids (through the first EOS) of llm's
+    decoding of one prompt from a fresh context. Greedy (temperature 0) is llama.cpp's greedy
+    sampler (argmax); sampling is plain temperature sampling (no top-k / top-p / min-p /
+    repetition penalty)."""
     eos = set(eos_ids) | {llm.token_eos()}
     sampling = dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
 
@@ -163,6 +149,28 @@ def run_llamacpp(
                 break
         return out
 
+    return generate
+
+
+def run_llamacpp(
+    gguf_path: str,
+    prompt_ids: list,
+    max_new_tokens: int,
+    temperature: float,
+    threads: int,
+    prompt_lookup: int | None,
+    seed: int,
+    eos_ids=(),
+    llm=None,
+) -> dict:
+    """llama.cpp on every prompt (the same token ids ours gets, one at a time) -> the dict of
+    hf_baseline.run_hf: tokens_per_s end to end, prompt processing included; outputs up to and
+    including the first EOS, as `decoder` decodes them. llm: a loaded Llama to reuse (else one
+    is loaded, untimed)."""
+    if llm is None:
+        n_ctx = max(len(p) for p in prompt_ids) + max_new_tokens + (prompt_lookup or 0) + 16
+        llm = load_llamacpp(gguf_path, threads, n_ctx, prompt_lookup, seed)
+    generate = decoder(llm, temperature, eos_ids)
     generate(prompt_ids[0], 2, seed)  # warm-up
     t0 = time.perf_counter()
     outputs = [generate(p, max_new_tokens, seed + i) for i, p in enumerate(prompt_ids)]
@@ -204,17 +212,36 @@ def bench_ggufs(model_path: str | None, log=print) -> dict | None:
     return {"bf16": bf16_gguf_path(path), native: path}
 
 
+def _rows(ggufs: dict, temperature: float) -> list:
+    """(row name, GGUF path, prompt-lookup tokens or None) of the llama.cpp rows."""
+    return [
+        (f"llama.cpp {label}" + (" + prompt lookup" if lookup else ""), path, lookup)
+        for label, path in ggufs.items()
+        for lookup in ((None, PROMPT_LOOKUP_TOKENS) if temperature == 0 else (None,))
+    ]
+
+
 def bench_rows(ggufs: dict, prompt_ids, max_new_tokens, temperature, threads, seed, eos) -> dict:
     """{"llama.cpp LABEL": result, "llama.cpp LABEL + prompt lookup": result (greedy only)}
     for every GGUF of bench_ggufs, with outputs (as run_llamacpp)."""
     rows = {}
-    for label, path in ggufs.items():
-        for lookup in (None, PROMPT_LOOKUP_TOKENS) if temperature == 0 else (None,):
-            name = f"llama.cpp {label}" + (" + prompt lookup" if lookup else "")
-            rows[name] = run_llamacpp(
-                path, prompt_ids, max_new_tokens, temperature, threads, lookup, seed, eos
-            )
+    for name, path, lookup in _rows(ggufs, temperature):
+        rows[name] = run_llamacpp(
+            path, prompt_ids, max_new_tokens, temperature, threads, lookup, seed, eos
+        )
     return rows
+
+
+def bench_decoders(ggufs: dict, prompt_ids, max_new_tokens, temperature, threads, seed, eos):
+    """[(row name, decoder)] of bench_rows' rows, each model loaded and warmed up once (the
+    interleaved bench decodes one prompt at a time: decoder(prompt, n, seed) -> token ids)."""
+    out = []
+    for name, path, lookup in _rows(ggufs, temperature):
+        n_ctx = max(len(p) for p in prompt_ids) + max_new_tokens + (lookup or 0) + 16
+        generate = decoder(load_llamacpp(path, threads, n_ctx, lookup, seed), temperature, eos)
+        generate(prompt_ids[0], 2, seed)  # warm-up
+        out.append((name, generate))
+    return out
 
 
 def config(ggufs: dict) -> dict:
