@@ -184,6 +184,25 @@ def test_stop_string(model):
     assert r.token_ids == plain[0][: cut + len(stop)]  # up to the token completing the stop string
 
 
+def test_greedy_steps_draw_no_uniforms(model, monkeypatch):
+    """A batch of greedy requests never reads the sampler's uniforms, so the engine draws
+    none (no RNG work per step); a sampled request in the batch makes every row draw again."""
+    import specdec_kernels.ops as kernel_ops
+
+    head = oracle_head(model)
+    eng = Engine(model, head=head, tree="chain:3", batch_size=2, max_seq_len=64)
+    draws = []
+    make_uniforms = kernel_ops.make_uniforms
+    monkeypatch.setattr(
+        kernel_ops, "make_uniforms", lambda *a, **k: draws.append(a) or make_uniforms(*a, **k)
+    )
+    greedy = [Request(p, SamplingParams(max_new_tokens=12)) for p in PROMPTS[:2]]
+    eng.generate(greedy)
+    assert draws == []
+    eng.generate([greedy[0], Request(PROMPTS[1], SamplingParams(temperature=1.0, seed=3))])
+    assert draws and all(a[0] == 2 for a in draws[:1])
+
+
 def test_sampled_request_independent_of_batch(model):
     """A seeded request generates the same tokens alone and next to other requests."""
     head = oracle_head(model)
