@@ -53,6 +53,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv_cpu(const at::Tensor& qk
                                                             int64_t num_kv_heads);
 
 at::Tensor silu_and_mul_cpu(const at::Tensor& x);
+// a + b (same shape and dtype), rounded as ATen's add; the decode layer's residual.
+at::Tensor add_cpu(const at::Tensor& a, const at::Tensor& b);
 
 // x [..., K] (bf16) @ the weight [out_features, K] laid out as tiles [ceil(out_features / 64),
 // K / 2, 64, 2] (+ bias) -> [..., out_features] bf16 (csrc/cpu/tiled_linear.cpp).

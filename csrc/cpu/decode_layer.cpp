@@ -8,9 +8,10 @@
 // weight-packing checks, views, the cache write's index ops), measured at ~190 us of a ~1.2 ms
 // bf16 layer on this project's CPU: more than the layer's elementwise arithmetic. Here the
 // same kernels run back to back from C++ (the specdec layer ops and tree_verify, ATen's
-// index_copy_ / add, and oneDNN's prepacked linear through the dispatcher), so the result is
-// bitwise the eager block's (TransformerBlock.forward with the layer ops and PackedLinear):
-// the same ops on the same inputs in the same order.
+// index_copy_, and oneDNN's prepacked linear through the dispatcher; the last residual add
+// as a plain loop rounded as ATen's add), so the result is bitwise the eager block's
+// (TransformerBlock.forward with the layer ops and PackedLinear): the same arithmetic on the
+// same inputs in the same order.
 //
 // decode_layers runs a run of layers (a verify step's 30 blocks) in one call: the Python loop
 // over the blocks and each block's dispatch and step checks (~40 us a layer) go.
@@ -138,7 +139,8 @@ at::Tensor decode_layer_cpu(const at::Tensor& x,
   const at::Tensor attn = linear(out.reshape({B, M, -1}), wo, std::nullopt, prepacked, dim);
   auto [sum, normed] = rms_norm_cpu(x, attn, ffn_norm_weight, eps);
   const at::Tensor gate_up = linear(normed, w13, std::nullopt, prepacked, 2 * hidden);
-  return at::add(sum, linear(silu_and_mul_cpu(gate_up), w2, std::nullopt, prepacked, dim));
+  // the residual as a plain loop: at::add's TensorIterator set-up is ~1-2 us a layer
+  return add_cpu(sum, linear(silu_and_mul_cpu(gate_up), w2, std::nullopt, prepacked, dim));
 }
 
 at::Tensor decode_layers_cpu(const at::Tensor& x, at::TensorList attention_norm_weights,

@@ -179,6 +179,12 @@ SPECDEC_INLINE void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t 
   }
 }
 
+// out = a + b, rounded as ATen's add of two tensors of the dtype.
+template <typename scalar_t>
+SPECDEC_INLINE void add_rows(const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store_elem(out, i, load_elem(a, i) + load_elem(b, i));
+}
+
 // ---------------------------------------------------------------- builds and dispatch
 // Each op's row loop compiled for AVX-512, AVX2 and the baseline ISA.
 #define SPECDEC_LAYER_OP_BUILDS(name, params, args)                                              \
@@ -215,6 +221,8 @@ SPECDEC_LAYER_OP_BUILDS(rope_qkv_rows,
 SPECDEC_LAYER_OP_BUILDS(silu_and_mul_rows,
                         (const scalar_t* x, scalar_t* out, int64_t r0, int64_t r1, int64_t H),
                         (x, out, r0, r1, H))
+SPECDEC_LAYER_OP_BUILDS(add_rows, (const scalar_t* a, const scalar_t* b, scalar_t* out, int64_t n),
+                        (a, b, out, n))
 #undef SPECDEC_LAYER_OP_BUILDS
 
 }  // namespace
@@ -272,6 +280,21 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
     const auto fn = pick_silu_and_mul_rows<scalar_t>();
     at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
       fn(xc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), r0, r1, H);
+    });
+  });
+  return out;
+}
+
+at::Tensor add_cpu(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor out = at::empty(a.sizes(), a.options());
+  const int64_t n = a.numel();
+  SPECDEC_DISPATCH_FLOAT_DTYPE(a.scalar_type(), scalar_t, {
+    const auto fn = pick_add_rows<scalar_t>();
+    // a decode step's residual: a few thousand elements, one task
+    at::parallel_for(0, n, int64_t{1} << 16, [&](int64_t i0, int64_t i1) {
+      fn(ac.data_ptr<scalar_t>() + i0, bc.data_ptr<scalar_t>() + i0, out.data_ptr<scalar_t>() + i0,
+         i1 - i0);
     });
   });
   return out;
