@@ -213,14 +213,16 @@ class CostModel:
                 break
 
         if head is None:
-            return cls(B, sizes[: len(verify_s)], monotone(verify_s), [0.0] * spec.depth)
+            timed = sizes[: len(verify_s)]
+            return cls(B, timed, cost_curve(timed, verify_s), [0.0] * spec.depth)
         head_cache = head.new_cache(B, context + spec.head_nodes)
         head_cache.cache_lens.fill_(context)
         hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
         roots = torch.zeros(B, dtype=torch.long, device=dev)
 
         def draft_s(width: int) -> list:  # levels past the first expand `width` nodes
-            return monotone(
+            return cost_curve(
+                list(range(1, spec.depth + 1)),
                 [
                     median_time(
                         lambda levels=levels: draft_dynamic(
@@ -236,29 +238,52 @@ class CostModel:
                         dev,
                     )
                     for levels in range(1, spec.depth + 1)
-                ]
+                ],
             )
 
         return cls(
             B,
             sizes[: len(verify_s)],
-            monotone(verify_s),
+            cost_curve(sizes[: len(verify_s)], verify_s),
             draft_s(spec.topk),
             draft_narrow_s=draft_s(1) if spec.topk > 1 and spec.depth > 1 else [],
         )
 
 
-def monotone(ys: list) -> list:
-    """The least-squares non-decreasing fit of ys (pool adjacent violators): a bigger tree or
-    one more draft level never costs less, so a measured dip is timing noise, and trusting it
-    would make the policy pick the size that happened to be timed during a quiet moment."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for y in ys:
-        blocks.append([float(y), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
-    return [m for m, n in blocks for _ in range(int(n))]
+def cost_curve(xs: list, ys: list) -> list:
+    """The measured costs ys at sizes xs (increasing), as the policy prices them: the lower
+    convex envelope of the points after each y is lowered to the least y at any larger size.
+
+    Why: timing noise on a shared machine is one-sided (another process, a cold cache or a
+    frequency dip make a call slower, never faster), so the lowest times are the truest; a
+    bigger tree or one more draft level never costs less; and the extra cost of one more node
+    or level does not shrink as the tree grows (a few rows stream the weights at the cost of
+    one, more become compute-bound: flat, then linear). One slow point (a verify of 2 nodes
+    timed at +1.2 ms over 1 node where the steps measure +0.4) would otherwise make small trees
+    look dear and the next sizes almost free: the policy then chose 5-6-node trees on a machine
+    where 2-3 nodes pay best (RESULTS.md, session 16)."""
+    low = [float(y) for y in ys]
+    for i in range(len(low) - 2, -1, -1):
+        low[i] = min(low[i], low[i + 1])
+    hull: list[int] = []  # the lower hull's vertices, left to right
+    for i in range(len(low)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b is above (or on) the chord from a to i: not a vertex of the lower hull
+            if (low[b] - low[a]) * (xs[i] - xs[a]) >= (low[i] - low[a]) * (xs[b] - xs[a]):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    out = []
+    for x in xs:
+        j = next(k for k in range(len(hull)) if xs[hull[k]] >= x)
+        if xs[hull[j]] == x:
+            out.append(low[hull[j]])
+            continue
+        a, b = hull[j - 1], hull[j]
+        out.append(low[a] + (low[b] - low[a]) * (x - xs[a]) / (xs[b] - xs[a]))
+    return out
 
 
 def _verify(xs, ys, T) -> float:

@@ -7,6 +7,7 @@ import torch
 from specdec.adaptive import CALIBRATION_PRIOR, DECAY, MAX_PROBE, CostModel, Policy
 from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
+from specdec.engine import Engine
 
 from test_engine import (
     PROMPTS,
@@ -514,18 +515,42 @@ def test_engine_reports_every_step_time(monkeypatch):
     assert levels and levels[-1] != CALIBRATION_PRIOR  # calibrating: the levels count
 
 
-def test_measured_costs_are_made_non_decreasing():
-    """A measured dip (verify(16) < verify(8), as timed under load) is pooled away: the policy
-    never sees a bigger tree as cheaper; already monotone curves are unchanged."""
-    from specdec.adaptive import monotone
+def test_measured_costs_are_priced_by_their_lower_convex_envelope():
+    """A slow point (a verify of 2 nodes timed +1.2 ms over 1 node, as under load) is dropped
+    to the envelope, and so is a dip (verify(16) < verify(8)): a bigger tree never costs less,
+    and one more node never costs less than the one before. Already convex, non-decreasing
+    curves are unchanged; so are one-point curves."""
+    from specdec.adaptive import cost_curve
 
-    assert monotone([79.0, 84.0, 130.0, 170.0, 165.0, 199.0]) == [
-        79.0,
-        84.0,
-        130.0,
-        167.5,
-        167.5,
-        199.0,
-    ]
-    assert monotone([159.0, 137.0, 140.0]) == pytest.approx([145.333, 145.333, 145.333], abs=1e-3)
-    assert monotone([1.0, 2.0, 2.0, 3.0]) == [1.0, 2.0, 2.0, 3.0] and monotone([]) == []
+    sizes = [1, 2, 4, 8, 16, 32]
+    measured = [8.19, 9.42, 9.85, 10.57, 14.82, 20.93]  # session 16's start-up timing, ms
+    curve = cost_curve(sizes, measured)
+    assert curve[0] == 8.19 and curve[3] == 10.57 and curve[5] == 20.93
+    assert curve[1] == pytest.approx(8.19 + (10.57 - 8.19) / 7)  # on the chord 1 -> 8
+    steps = [(b - a) / (x1 - x0) for a, b, x0, x1 in zip(curve, curve[1:], sizes, sizes[1:])]
+    assert all(s2 >= s1 - 1e-12 for s1, s2 in zip(steps, steps[1:])) and steps[0] >= 0
+    assert all(c <= m + 1e-12 for c, m in zip(curve, measured))  # never above a measurement
+    dip = cost_curve([1, 2, 3, 4], [79.0, 84.0, 170.0, 165.0])
+    assert dip == pytest.approx([79.0, 84.0, 124.5, 165.0])
+    assert cost_curve([1, 2, 4], [1.0, 2.0, 4.0]) == [1.0, 2.0, 4.0]
+    assert cost_curve([1, 2, 3], [5.0, 5.0, 6.0]) == [5.0, 5.0, 6.0]
+    assert cost_curve([1], [3.0]) == [3.0] and cost_curve([], []) == []
+
+
+def test_cost_model_is_timed_as_generate_runs_steps(monkeypatch):
+    """The engine measures its cost model inside modules_unchanged (as generate() runs its
+    steps: the modules checked once, not at every forward), so a verify of one node is priced
+    at what a step pays, not with each forward's module checks on top."""
+    from specdec.drafters.eagle import EagleDrafter
+
+    seen = []
+    measure = EagleDrafter.measure_cost
+
+    def spy(self, target, tree, batch_size):
+        seen.append("_unchanged_kinds" in target.__dict__)
+        return measure(self, target, tree, batch_size)
+
+    monkeypatch.setattr(EagleDrafter, "measure_cost", spy)
+    model = tiny_model()
+    Engine(model, head=oracle_head(model), tree="adaptive:2,2,4", max_seq_len=64)
+    assert seen == [True] and "_unchanged_kinds" not in model.__dict__
