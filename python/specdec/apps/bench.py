@@ -249,6 +249,12 @@ def run_bench(
     return result
 
 
+def _batch1_methods(head, chain_ks, tree: str, adaptive: str, hf: bool, temp: float) -> list:
+    """methods() at temperature temp: HF prompt lookup is greedy-only here."""
+    every = methods(head, chain_ks, tree, adaptive, hf)
+    return [m for m in every if not (m[1] == "hf" and m[2] and temp)]
+
+
 def _batch1_rows(
     model,
     tokenizer,
@@ -270,11 +276,7 @@ def _batch1_rows(
     llama.cpp's rows first, then ours (reverse: ours in reverse, then llama.cpp's); the dict
     lists the methods in the usual order either way."""
     rows: dict = {}
-    todo = [
-        m
-        for m in methods(head, chain_ks, tree, adaptive, hf_model is not None)
-        if not (m[1] == "hf" and m[2] and temp)  # HF prompt lookup is greedy-only here
-    ]
+    todo = _batch1_methods(head, chain_ks, tree, adaptive, hf_model is not None, temp)
     order = ([("llama.cpp", "llamacpp", None)] if llamacpp_ggufs else []) + todo
     for name, kind, arg in reversed(order) if reverse else order:
         t0 = time.perf_counter()
@@ -343,11 +345,7 @@ def _batch1_interleaved(
     prompt, as over one generate call."""
     from ..stats import Stats
 
-    todo = [
-        m
-        for m in methods(head, chain_ks, tree, adaptive, hf_model is not None)
-        if not (m[1] == "hf" and m[2] and temp)  # HF prompt lookup is greedy-only here
-    ]
+    todo = _batch1_methods(head, chain_ks, tree, adaptive, hf_model is not None, temp)
     # (name, run(i, prompt) -> (token ids, seconds, Stats or None, acceptance or None))
     runners: list = []
     if llamacpp_ggufs:
