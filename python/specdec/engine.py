@@ -719,10 +719,9 @@ class Engine:
         if sp.random:
             uniforms = ops.make_uniforms(B, T, self.device, sp.generators)
         else:  # greedy rows never read their uniforms: no draws (~60 us a step on CPU)
-            uniforms = self._greedy_uniforms.get((B, T))
-            if uniforms is None:
-                uniforms = torch.zeros(B, T + 1, device=self.device)
-                self._greedy_uniforms[(B, T)] = uniforms
+            if (B, T) not in self._greedy_uniforms:
+                self._greedy_uniforms[(B, T)] = torch.zeros(B, T + 1, device=self.device)
+            uniforms = self._greedy_uniforms[(B, T)]
         args = (
             logits,
             d.tokens,
