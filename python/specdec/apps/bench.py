@@ -28,8 +28,8 @@ from .serving import MULTIPLIERS as SERVING_MULTIPLIERS
 # ---------------------------------------------------------------------- one configuration
 class OursMethod:
     """One of our methods, set up once: the engine (plain when head is None; with ngram, EAGLE
-    and prompt lookup merged, the `eagle+ngram` drafter) built for prompts up to max_prompt
-    tokens (adaptive mode measures its cost model here: startup_s) and warmed up."""
+    and prompt lookup merged, the `eagle+ngram` drafter) built for the longest of prompt_ids
+    plus max_new_tokens (adaptive mode measures its cost model here: startup_s) and warmed up."""
 
     def __init__(
         self,

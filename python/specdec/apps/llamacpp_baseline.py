@@ -152,6 +152,27 @@ def decoder(llm, temperature: float, eos_ids=()):
     return generate
 
 
+def _warm_decoder(
+    gguf_path,
+    prompt_ids,
+    max_new_tokens,
+    temperature,
+    threads,
+    prompt_lookup,
+    seed,
+    eos_ids,
+    llm=None,
+):
+    """decoder over llm (else gguf_path loaded, with a context for the longest prompt, its new
+    tokens and the lookup's drafts), warmed up on the first prompt; untimed."""
+    if llm is None:
+        n_ctx = max(len(p) for p in prompt_ids) + max_new_tokens + (prompt_lookup or 0) + 16
+        llm = load_llamacpp(gguf_path, threads, n_ctx, prompt_lookup, seed)
+    generate = decoder(llm, temperature, eos_ids)
+    generate(prompt_ids[0], 2, seed)  # warm-up
+    return generate
+
+
 def run_llamacpp(
     gguf_path: str,
     prompt_ids: list,
@@ -167,11 +188,8 @@ def run_llamacpp(
     hf_baseline.run_hf: tokens_per_s end to end, prompt processing included; outputs up to and
     including the first EOS, as `decoder` decodes them. llm: a loaded Llama to reuse (else one
     is loaded, untimed)."""
-    if llm is None:
-        n_ctx = max(len(p) for p in prompt_ids) + max_new_tokens + (prompt_lookup or 0) + 16
-        llm = load_llamacpp(gguf_path, threads, n_ctx, prompt_lookup, seed)
-    generate = decoder(llm, temperature, eos_ids)
-    generate(prompt_ids[0], 2, seed)  # warm-up
+    args = (max_new_tokens, temperature, threads, prompt_lookup, seed, eos_ids, llm)
+    generate = _warm_decoder(gguf_path, prompt_ids, *args)
     t0 = time.perf_counter()
     outputs = [generate(p, max_new_tokens, seed + i) for i, p in enumerate(prompt_ids)]
     elapsed = time.perf_counter() - t0
@@ -235,13 +253,11 @@ def bench_rows(ggufs: dict, prompt_ids, max_new_tokens, temperature, threads, se
 def bench_decoders(ggufs: dict, prompt_ids, max_new_tokens, temperature, threads, seed, eos):
     """[(row name, decoder)] of bench_rows' rows, each model loaded and warmed up once (the
     interleaved bench decodes one prompt at a time: decoder(prompt, n, seed) -> token ids)."""
-    out = []
-    for name, path, lookup in _rows(ggufs, temperature):
-        n_ctx = max(len(p) for p in prompt_ids) + max_new_tokens + (lookup or 0) + 16
-        generate = decoder(load_llamacpp(path, threads, n_ctx, lookup, seed), temperature, eos)
-        generate(prompt_ids[0], 2, seed)  # warm-up
-        out.append((name, generate))
-    return out
+    run = (max_new_tokens, temperature, threads)
+    return [
+        (name, _warm_decoder(path, prompt_ids, *run, lookup, seed, eos))
+        for name, path, lookup in _rows(ggufs, temperature)
+    ]
 
 
 def config(ggufs: dict) -> dict:
