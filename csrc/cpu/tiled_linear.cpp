@@ -38,8 +38,11 @@ namespace specdec {
 namespace {
 
 constexpr int64_t kTile = 64;            // outputs per tile
-constexpr int kMaxRows = 6;              // rows that share one pass over a tile
+constexpr int kMaxRows = 6;              // rows that share one pass over a tile (32 registers)
 constexpr int64_t kTaskBytes = 1 << 18;  // weight bytes per parallel task, at least
+// input pairs per block of the portable builds: every pass over a block (32 rows of the tile,
+// 8 KB) finds it in L1
+constexpr int64_t kBlockPairs = 32;
 
 // acc[r, 0:64] (float) of rows r < rows of x -> y[r, n0 : n0 + valid] in bf16 (+ bias).
 SPECDEC_INLINE void store_tile(const float* acc, int rows, const c10::BFloat16* bias,
@@ -56,10 +59,11 @@ SPECDEC_INLINE void store_tile(const float* acc, int rows, const c10::BFloat16* 
 #define SPECDEC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // acc[r, 0:64] = sum over k2 of tile[k2, 0:64, 0:2] . x_r[2 k2 : 2 k2 + 2] for ROWS rows
-// (x: bf16 pairs as uint32, row stride ldx pairs).
+// (inputs: x's bf16 pairs as uint32, row stride ldx pairs).
 template <int ROWS>
-SPECDEC_BF16_TARGET void tile_rows_bf16(const uint32_t* tile, const uint32_t* x, int64_t ldx,
+SPECDEC_BF16_TARGET void tile_rows_bf16(const uint32_t* tile, const void* inputs, int64_t ldx,
                                         int64_t num_pairs, float* acc_out) {
+  const auto* x = static_cast<const uint32_t*>(inputs);
   __m512 acc[ROWS][4];
   for (int r = 0; r < ROWS; ++r) {
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -82,82 +86,173 @@ SPECDEC_BF16_TARGET void tile_rows_bf16(const uint32_t* tile, const uint32_t* x,
 }
 
 // ---------------------------------------------------------------- portable builds
-// The same sums by the bits of bf16: a pair (little-endian uint32) holds input 2 k2 in its low
-// half and 2 k2 + 1 in its high half; either, moved to the high half, is that float.
-template <int ROWS>
-SPECDEC_INLINE void tile_rows_portable(const uint32_t* tile, const uint32_t* x, int64_t ldx,
+// The same sums by the bits of bf16: a pair (little-endian uint32) of the tile holds input
+// 2 k2's weight in its low half and 2 k2 + 1's in its high half; either, moved to the high
+// half, is that float. The inputs come widened to float once per call (widen_inputs), so a
+// row's input is one broadcast load from memory, not a scalar conversion per pass.
+//
+// A pass covers LANES * VECS of the tile's 64 outputs; the passes split the tile so that
+// ROWS x VECS accumulators and the converted weights stay in the ISA's registers (AVX2 and
+// SSE: 16; AVX-512: 32). One pass over all 64 outputs at 6 rows needs 48 ymm accumulators on
+// AVX2: spilled, the product ran at a third of the memory's speed (session 17: 54 ms for a
+// step's weights at one row against 15 ms to stream them). The tile is walked in blocks of
+// kBlockPairs input pairs (8 KB), every pass over a block before the next block, so the later
+// passes find it in L1 and DRAM delivers each line once; the first pass prefetches the next
+// block (a pass reads part of each 256-byte row, which the hardware does not fetch ahead as it
+// does a sequential read).
+template <int ROWS, int LANES, int VECS, bool ROW_OUTER>
+SPECDEC_INLINE void tile_rows_portable(const uint32_t* tile, const void* inputs, int64_t ldx,
                                        int64_t num_pairs, float* acc_out) {
-  using F = Simd<16>::f;
-  using U = Simd<16>::i32;
-  F acc[ROWS][4] = {};
-  for (int64_t k2 = 0; k2 < num_pairs; ++k2) {
-    float x_even[ROWS], x_odd[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-      const uint32_t pair = x[r * ldx + k2], even = pair << 16, odd = pair & 0xFFFF0000u;
-      std::memcpy(&x_even[r], &even, 4);
-      std::memcpy(&x_odd[r], &odd, 4);
-    }
-    for (int j = 0; j < 4; ++j) {
-      U pairs;
-      std::memcpy(&pairs, tile + k2 * kTile + 16 * j, sizeof(pairs));
-      const U even_bits = pairs << 16, odd_bits = pairs & int32_t(0xFFFF0000u);
-      F even, odd;
-      std::memcpy(&even, &even_bits, sizeof(even));
-      std::memcpy(&odd, &odd_bits, sizeof(odd));
-      // vdpbf16ps' order (the odd input, then the even one, each product exact in float):
-      // every build gives the same bits but for denormals, which vdpbf16ps flushes
+  using F = typename Simd<LANES>::f;
+  using U = typename Simd<LANES>::i32;
+  constexpr int kPassOutputs = LANES * VECS, kPasses = kTile / kPassOutputs;
+  static_assert(kTile % kPassOutputs == 0, "a pass covers a whole part of the tile");
+  const auto* x = static_cast<const float*>(inputs);  // [ROWS, 2 num_pairs], row stride ldx
+  for (int64_t begin = 0; begin < num_pairs; begin += kBlockPairs) {
+    const int64_t end = std::min(num_pairs, begin + kBlockPairs);
+    for (int pass = 0; pass < kPasses; ++pass) {
+      float* out = acc_out + pass * kPassOutputs;
+      F acc[ROWS][VECS];
       for (int r = 0; r < ROWS; ++r) {
-        acc[r][j] += odd * x_odd[r];
-        acc[r][j] += even * x_even[r];
+        for (int j = 0; j < VECS; ++j) {
+          if (begin == 0) {
+            acc[r][j] = F{};
+          } else {
+            std::memcpy(&acc[r][j], out + r * kTile + LANES * j, sizeof(F));
+          }
+        }
+      }
+      const uint32_t* column = tile + pass * kPassOutputs;
+      for (int64_t k2 = begin; k2 < end; ++k2) {
+        if (kPasses > 1 && pass == 0 && k2 + kBlockPairs < num_pairs) {
+          const uint32_t* ahead = tile + (k2 + kBlockPairs) * kTile;
+          for (int line = 0; line < kTile; line += 16) __builtin_prefetch(ahead + line);
+        }
+        // vdpbf16ps' order (the odd input, then the even one, each product exact in float, so
+        // a fused multiply-add rounds as a multiply and an add): every build gives the same
+        // bits but for denormals, which vdpbf16ps flushes
+        if constexpr (ROW_OUTER) {  // every weight converted once, then row by row
+          F even[VECS], odd[VECS];
+          for (int j = 0; j < VECS; ++j) {
+            U pairs;
+            std::memcpy(&pairs, column + k2 * kTile + LANES * j, sizeof(pairs));
+            const U even_bits = pairs << 16, odd_bits = pairs & int32_t(0xFFFF0000u);
+            std::memcpy(&even[j], &even_bits, sizeof(F));
+            std::memcpy(&odd[j], &odd_bits, sizeof(F));
+          }
+          for (int r = 0; r < ROWS; ++r) {
+            const float x_odd = x[r * ldx + 2 * k2 + 1], x_even = x[r * ldx + 2 * k2];
+            for (int j = 0; j < VECS; ++j) {
+              acc[r][j] += odd[j] * x_odd;
+              acc[r][j] += even[j] * x_even;
+            }
+          }
+        } else {  // weight vector by weight vector, every row's inputs broadcast once
+          F x_even[ROWS], x_odd[ROWS];
+          for (int r = 0; r < ROWS; ++r) {
+            x_odd[r] = F{} + x[r * ldx + 2 * k2 + 1];
+            x_even[r] = F{} + x[r * ldx + 2 * k2];
+          }
+          for (int j = 0; j < VECS; ++j) {
+            U pairs;
+            std::memcpy(&pairs, column + k2 * kTile + LANES * j, sizeof(pairs));
+            const U even_bits = pairs << 16, odd_bits = pairs & int32_t(0xFFFF0000u);
+            F even, odd;
+            std::memcpy(&even, &even_bits, sizeof(F));
+            std::memcpy(&odd, &odd_bits, sizeof(F));
+            for (int r = 0; r < ROWS; ++r) {
+              acc[r][j] += odd * x_odd[r];
+              acc[r][j] += even * x_even[r];
+            }
+          }
+        }
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        for (int j = 0; j < VECS; ++j) {
+          std::memcpy(out + r * kTile + LANES * j, &acc[r][j], sizeof(F));
+        }
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    for (int j = 0; j < 4; ++j) std::memcpy(acc_out + r * kTile + 16 * j, &acc[r][j], 64);
-  }
+}
+
+// 16 vector registers (AVX2, SSE): the rows of one pass over a tile, at most 4, each count
+// with the vectors per pass that ran fastest over a step's weights (session 17, Zen 3, 2
+// threads, weight by weight): 1 row 8 vectors (15.6 ms, the memory's speed), 2 rows 4 (16.5),
+// 3 rows 4 (19.0; 2 vectors: 24.8), 4 rows 2 (25.9; row by row 26.6, 1 vector 29.5).
+constexpr int kMaxRows16 = 4;
+template <int ROWS, int LANES>
+SPECDEC_INLINE void tile_rows_16_registers(const uint32_t* tile, const void* x, int64_t ldx,
+                                           int64_t num_pairs, float* acc_out) {
+  static_assert(ROWS <= kMaxRows16);
+  constexpr int kVecs = ROWS == 1 ? 8 : ROWS <= 3 ? 4 : 2;
+  tile_rows_portable<ROWS, LANES, kVecs, false>(tile, x, ldx, num_pairs, acc_out);
 }
 
 template <int ROWS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void tile_rows_avx512(
-    const uint32_t* tile, const uint32_t* x, int64_t ldx, int64_t num_pairs, float* acc_out) {
-  tile_rows_portable<ROWS>(tile, x, ldx, num_pairs, acc_out);
+    const uint32_t* tile, const void* x, int64_t ldx, int64_t num_pairs, float* acc_out) {
+  // 32 registers: the whole tile in one pass (24 accumulators at 6 rows)
+  tile_rows_portable<ROWS, 16, 4, false>(tile, x, ldx, num_pairs, acc_out);
 }
 
 template <int ROWS>
-__attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const uint32_t* tile,
-                                                             const uint32_t* x, int64_t ldx,
-                                                             int64_t num_pairs, float* acc_out) {
-  tile_rows_portable<ROWS>(tile, x, ldx, num_pairs, acc_out);
+__attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const uint32_t* tile, const void* x,
+                                                             int64_t ldx, int64_t num_pairs,
+                                                             float* acc_out) {
+  tile_rows_16_registers<ROWS, 8>(tile, x, ldx, num_pairs, acc_out);
 }
 
 template <int ROWS>
-void tile_rows_baseline(const uint32_t* tile, const uint32_t* x, int64_t ldx, int64_t num_pairs,
+void tile_rows_baseline(const uint32_t* tile, const void* x, int64_t ldx, int64_t num_pairs,
                         float* acc_out) {
-  tile_rows_portable<ROWS>(tile, x, ldx, num_pairs, acc_out);
+  tile_rows_16_registers<ROWS, 4>(tile, x, ldx, num_pairs, acc_out);
 }
 
-using TileRowsFn = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, float*);
+// x [rows, K] bf16 -> its values as float (the bits moved to the high half), into out.
+void widen_inputs(const c10::BFloat16* x, int64_t count, std::vector<float>& out) {
+  out.resize(static_cast<size_t>(count));
+  const auto* bits = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(&out[static_cast<size_t>(i)], &wide, 4);
+  }
+}
 
-// The kernels for 1..kMaxRows rows of the widest build cpu_isa() allows.
-void pick_kernels(TileRowsFn (&fns)[kMaxRows]) {
+// (tile, inputs, input row stride, input pairs, acc): inputs are bf16 pairs (uint32, the stride
+// in pairs) for the AVX512-BF16 build, floats (widen_inputs, the stride in floats) otherwise.
+using TileRowsFn = void (*)(const uint32_t*, const void*, int64_t, int64_t, float*);
+
+// The widest build cpu_isa() allows: its kernels for 1..max_rows rows (one pass over a tile).
+struct TileKernels {
+  TileRowsFn fns[kMaxRows];
+  int max_rows;
+  bool pairs;  // true: the kernels take bf16 pairs; false: the inputs widened to float
+};
+
+TileKernels pick_kernels() {
   const CpuIsa isa = cpu_isa();
   if (isa >= CpuIsa::kAvx512Bf16) {
-    fns[0] = &tile_rows_bf16<1>, fns[1] = &tile_rows_bf16<2>;
-    fns[2] = &tile_rows_bf16<3>, fns[3] = &tile_rows_bf16<4>;
-    fns[4] = &tile_rows_bf16<5>, fns[5] = &tile_rows_bf16<6>;
-  } else if (isa >= CpuIsa::kAvx512) {
-    fns[0] = &tile_rows_avx512<1>, fns[1] = &tile_rows_avx512<2>;
-    fns[2] = &tile_rows_avx512<3>, fns[3] = &tile_rows_avx512<4>;
-    fns[4] = &tile_rows_avx512<5>, fns[5] = &tile_rows_avx512<6>;
-  } else if (isa >= CpuIsa::kAvx2) {
-    fns[0] = &tile_rows_avx2<1>, fns[1] = &tile_rows_avx2<2>;
-    fns[2] = &tile_rows_avx2<3>, fns[3] = &tile_rows_avx2<4>;
-    fns[4] = &tile_rows_avx2<5>, fns[5] = &tile_rows_avx2<6>;
-  } else {
-    fns[0] = &tile_rows_baseline<1>, fns[1] = &tile_rows_baseline<2>;
-    fns[2] = &tile_rows_baseline<3>, fns[3] = &tile_rows_baseline<4>;
-    fns[4] = &tile_rows_baseline<5>, fns[5] = &tile_rows_baseline<6>;
+    return {{&tile_rows_bf16<1>, &tile_rows_bf16<2>, &tile_rows_bf16<3>, &tile_rows_bf16<4>,
+             &tile_rows_bf16<5>, &tile_rows_bf16<6>},
+            kMaxRows,
+            true};
   }
+  if (isa >= CpuIsa::kAvx512) {
+    return {{&tile_rows_avx512<1>, &tile_rows_avx512<2>, &tile_rows_avx512<3>, &tile_rows_avx512<4>,
+             &tile_rows_avx512<5>, &tile_rows_avx512<6>},
+            kMaxRows,
+            false};
+  }
+  if (isa >= CpuIsa::kAvx2) {
+    return {{&tile_rows_avx2<1>, &tile_rows_avx2<2>, &tile_rows_avx2<3>, &tile_rows_avx2<4>},
+            kMaxRows16,
+            false};
+  }
+  return {{&tile_rows_baseline<1>, &tile_rows_baseline<2>, &tile_rows_baseline<3>,
+           &tile_rows_baseline<4>},
+          kMaxRows16,
+          false};
 }
 
 }  // namespace
@@ -175,11 +270,16 @@ at::Tensor tiled_linear_cpu(const at::Tensor& x, const at::Tensor& weight_tiles,
   const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t num_tiles = weight_tiles.size(0), num_pairs = K / 2;
   const auto* tiles = reinterpret_cast<const uint32_t*>(weight_tiles.data_ptr());
-  const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* bp = bias.has_value() ? bc.data_ptr<c10::BFloat16>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
-  TileRowsFn fns[kMaxRows];
-  pick_kernels(fns);
+  const TileKernels kernels = pick_kernels();
+  const bool pairs = kernels.pairs;
+  // the portable builds' inputs, widened once per call (a thread's buffer: no allocation in
+  // the steady state; the pool's workers only read it)
+  thread_local std::vector<float> widened;
+  if (!pairs) widen_inputs(xc.data_ptr<c10::BFloat16>(), rows * K, widened);
+  const void* inputs = pairs ? xc.data_ptr() : static_cast<const void*>(widened.data());
+  const int64_t row_stride = pairs ? num_pairs : K;  // in the inputs' elements
   const int64_t tile_bytes = kTile * K * 2;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(tile_bytes, 1));
   at::parallel_for(0, num_tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -187,9 +287,12 @@ at::Tensor tiled_linear_cpu(const at::Tensor& x, const at::Tensor& weight_tiles,
     for (int64_t t = t0; t < t1; ++t) {
       const uint32_t* tile = tiles + t * num_pairs * kTile;
       const int64_t n0 = t * kTile, valid = std::min<int64_t>(kTile, out_features - n0);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int group = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-        fns[group - 1](tile, xp + r0 * num_pairs, num_pairs, num_pairs, acc);
+      for (int64_t r0 = 0; r0 < rows; r0 += kernels.max_rows) {
+        const int group = static_cast<int>(std::min<int64_t>(kernels.max_rows, rows - r0));
+        const void* group_inputs =
+            pairs ? static_cast<const void*>(static_cast<const uint32_t*>(inputs) + r0 * num_pairs)
+                  : static_cast<const void*>(static_cast<const float*>(inputs) + r0 * K);
+        kernels.fns[group - 1](tile, group_inputs, row_stride, num_pairs, acc);
         store_tile(acc, group, bp, yp + r0 * out_features, out_features, n0, valid);
       }
     }
