@@ -47,15 +47,18 @@ SPECDEC_COMPILE_MODE       torch.compile's ``mode`` for that step: ``default``,
 SPECDEC_PREPACK_WEIGHTS    Whether the decode engine runs the bf16 linear layers of
                            the target and the drafter on CPU with oneDNN-prepacked
                            weights (``specdec.packed_linear``): ``1`` on, ``0`` off,
-                           ``auto`` (default): on where oneDNN supports bf16 (an extra
-                           copy of the weights; ~1.4x faster projections at M <= 32).
+                           ``auto`` (default): on where oneDNN supports bf16 or the
+                           tiles take the products (SPECDEC_TILED_ROWS; an extra copy
+                           of the weights; ~1.4x faster projections at M <= 32).
 SPECDEC_TILED_ROWS         Up to how many rows a prepacked bf16 linear's product
                            takes the weight's tiles (``tiled_linear``, a GEMV-style
                            stream) instead of oneDNN: an integer (``0``: never), or
                            ``auto`` (default): 64 on CPUs with AVX512-BF16 and no AMX
                            (measured 1.05-2.4x oneDNN at 1-64 rows, even at 128),
-                           1 with AMX (oneDNN's tiles win from a few rows), 0 without
-                           AVX512-BF16 or when SPECDEC_CPU_ISA caps the kernels below it.
+                           1 with AMX (oneDNN's tiles win from a few rows), every
+                           product on AVX2 CPUs without AVX-512, whose oneDNN has no
+                           bf16 (1.4-3.5x ATen's bf16 product at 1-128 rows), else 0,
+                           and 0 when SPECDEC_CPU_ISA caps the kernels below the CPU's.
 SPECDEC_HUGE_PAGES         Whether the bf16 linears' packed tiles (above) live in
                            2 MB pages (``specdec.host_memory``; Linux transparent huge
                            pages, asked for with ``MADV_HUGEPAGE``): ``1`` on, ``0``

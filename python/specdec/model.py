@@ -470,9 +470,11 @@ class TransformerBlock(nn.Module):
         kinds = {type(m) for m in linears}
         if kinds == {PackedLinear}:
             weights = [m.packed_weight(x) for m in linears]
-            if any(w is None for w in weights):
-                return None
             prepacked = True
+            if all(w is None for w in weights):  # no packed layout for these rows: F.linear's
+                weights, prepacked = [m.weight for m in linears], False
+            elif any(w is None for w in weights):
+                return None
         elif kinds == {nn.Linear}:
             weights, prepacked = [m.weight for m in linears], False
         else:

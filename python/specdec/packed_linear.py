@@ -42,19 +42,38 @@ def _supported() -> bool:
     return bool(mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# SPECDEC_TILED_ROWS=auto on CPUs whose widest kernel build is AVX2 (no AVX-512) and whose
+# oneDNN has no bf16: every product. ATen's bf16 product there runs row by row (a step's
+# weights 26 ms at 1 row, 39 at 2, 142 at 8, 2185 at 128 on a 2-core Zen 3), the tiles
+# stream them (17-19, 23, 46, 632 ms; benchmarks/RESULTS.md, session 17)
+AVX2_TILED_ROWS = 1 << 62
+
+
 @functools.cache
 def _auto_tiled_rows(isa_cap: str | None) -> int:
     """SPECDEC_TILED_ROWS=auto for this CPU (see envs.py)."""
     capability: dict = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
-    if not capability.get("avx512_bf16") or isa_cap not in (None, "", "avx512bf16"):
-        return 0  # the tiles' portable builds are unmeasured against oneDNN
-    return 1 if capability.get("amx_bf16") else 64
+    if capability.get("avx512_bf16") and isa_cap in (None, "", "avx512bf16"):
+        return 1 if capability.get("amx_bf16") else 64
+    if (
+        capability.get("avx2")
+        and not capability.get("avx512_f")
+        and isa_cap in (None, "", "avx2")
+        and not _supported()
+    ):
+        return AVX2_TILED_ROWS
+    return 0  # the tiles' other builds are unmeasured against oneDNN
 
 
 def tiled_rows() -> int:
     """Most rows of a product that takes the tiles (SPECDEC_TILED_ROWS; 0: never)."""
     setting = envs.SPECDEC_TILED_ROWS
     return _auto_tiled_rows(envs.SPECDEC_CPU_ISA) if setting == "auto" else int(setting)
+
+
+def packs() -> bool:
+    """Whether this CPU has a packed bf16 layout that pays: oneDNN's, or the tiles."""
+    return _supported() or tiled_rows() > 0
 
 
 def uses_tiles(rows: int, in_features: int) -> bool:
@@ -89,6 +108,8 @@ class WeightPack:
             self._packed, self._key = {}, key
         rows = x.numel() // max(x.shape[-1], 1)
         layout = "tiles" if uses_tiles(rows, weight.shape[1]) else "onednn"
+        if layout == "onednn" and not _supported():  # wider than the tiles take: F.linear
+            return None
         packed = self._packed.get(layout)
         if packed is None:
             if layout == "tiles":  # streamed whole every step: in 2 MB pages (host_memory)
@@ -163,16 +184,17 @@ def _plain_linears(module: nn.Module) -> list[nn.Linear]:
 def wanted(module: nn.Module, setting: bool | str | None = None) -> bool:
     """Whether module's linears should be prepacked. setting: True / False, or None / "auto":
     SPECDEC_PREPACK_WEIGHTS ("auto" when unset): on for bf16 weights on a CPU whose oneDNN
-    supports bf16, when the packed copies take at most half the memory still available."""
+    supports bf16 or whose products take the tiles (tiled_rows() > 0), when the packed copies
+    take at most half the memory still available."""
     if setting is None:
         setting = envs.SPECDEC_PREPACK_WEIGHTS
-    if setting is False or not _supported():
+    if setting is False or not packs():
         return False
     weights = [m.weight for m in _plain_linears(module)]
     if not weights or any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights):
         return False
     if setting == "auto":  # the packed copies must not crowd out the KV caches
-        copies = 2 if tiled_rows() > 0 else 1  # tiles and oneDNN's
+        copies = (tiled_rows() > 0) + _supported()  # tiles and / or oneDNN's
         copy_bytes = copies * sum({w.data_ptr(): w.nbytes for w in weights}.values())
         free = free_memory(torch.device("cpu"))
         return free is None or copy_bytes <= free // 2

@@ -5,7 +5,7 @@ import torch
 
 from specdec import decode_path
 from specdec.model import TransformerBlock
-from specdec.packed_linear import PackedLinear, _supported
+from specdec.packed_linear import PackedLinear, packs
 
 from test_engine import tiny_model
 
@@ -19,7 +19,7 @@ def state(model):
 def test_bf16_on_float32_off(monkeypatch):
     model = tiny_model().to(torch.bfloat16)
     decode_path.configure(model)
-    assert state(model) == (_supported(), True)
+    assert state(model) == (packs(), True)
     model32 = tiny_model()
     decode_path.configure(model32)
     assert state(model32) == (False, False)
@@ -35,4 +35,4 @@ def test_each_part_has_its_switch(var, monkeypatch):
     if var == "SPECDEC_PREPACK_WEIGHTS":
         assert not packed and fused
     else:
-        assert packed == _supported() and not fused
+        assert packed == packs() and not fused

@@ -203,7 +203,11 @@ def test_decode_layer_sees_changes_after_a_step(layout, change, monkeypatch):
     cached = model.forward(*args)
     assert calls == [change != "off"] * len(model.layers)
     if change == "layout":  # (the tiny model's sums often round alike in both layouts)
-        assert set(layouts) == {{"tiles": "onednn", "onednn": "tiles", None: "plain"}[layout]}
+        # (without oneDNN's bf16, as on AVX2 CPUs, the tiles' rows go to F.linear; with no
+        # packed copy in the first place, the model's linears stay plain)
+        onednn = "onednn" if packed_linear._supported() else "plain"
+        tiles = "tiles" if packed_linear._supported() else "plain"
+        assert set(layouts) == {{"tiles": onednn, "onednn": tiles, None: "plain"}[layout]}
     for b in model.layers:  # the same step from the modules, whatever is cached
         b.layer_ops = False
         b.__dict__.pop("_decode_cache", None)

@@ -15,8 +15,9 @@ from specdec.packed_linear import PackedLinear
 
 from test_engine import bf16_run, tiny_model
 
-SUPPORTED = packed_linear._supported()
-needs_bf16 = pytest.mark.skipif(not SUPPORTED, reason="oneDNN without bf16 on this CPU")
+ONEDNN = packed_linear._supported()  # oneDNN's bf16 layout
+PACKS = packed_linear.packs()  # the linears are packed by default here
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="oneDNN without bf16 on this CPU")
 
 
 def linear(in_features, out_features, bias, seed=0):
@@ -34,7 +35,7 @@ def reference_product(x, lin):
     return F.linear(x.double(), lin.weight.double(), bias)
 
 
-@needs_bf16
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 16, 32, 200])
 def test_onednn_same_as_f_linear(bias, rows, monkeypatch):
@@ -54,7 +55,6 @@ def test_onednn_same_as_f_linear(bias, rows, monkeypatch):
         assert (got.double() - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
-@needs_bf16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
 def test_tiles_within_rounding_and_row_independent(bias, rows, monkeypatch):
@@ -74,7 +74,7 @@ def test_tiles_within_rounding_and_row_independent(bias, rows, monkeypatch):
     assert ((got.double() - ref).abs() <= bound).all()
 
 
-@needs_bf16
+@needs_onednn
 def test_layout_by_rows(monkeypatch):
     """SPECDEC_TILED_ROWS=4: up to 4 rows take the tiles, more oneDNN's copy; both are kept,
     and both are dropped when the weight changes. Odd in_features never take tiles."""
@@ -94,9 +94,25 @@ def test_layout_by_rows(monkeypatch):
         assert list(odd._pack._packed) == ["onednn"]
 
 
+def test_without_onednn_wider_products_take_f_linear(monkeypatch):
+    """Where oneDNN has no bf16 (AVX2 CPUs) the tiles are the only packed layout: products of
+    more rows than SPECDEC_TILED_ROWS take F.linear, bitwise, and pack nothing."""
+    monkeypatch.setattr(packed_linear, "_supported", lambda: False)
+    monkeypatch.setenv("SPECDEC_TILED_ROWS", "4")
+    lin = PackedLinear.convert(linear(64, 48, True))
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+        assert not lin._pack._packed
+        lin(x[:4])
+    assert list(lin._pack._packed) == ["tiles"]
+
+
 def test_tiled_rows_setting(monkeypatch):
     """SPECDEC_TILED_ROWS: an integer, or auto by the CPU: 64 with AVX512-BF16 and no AMX, 1
-    with AMX, 0 without AVX512-BF16 or under a lower SPECDEC_CPU_ISA cap."""
+    with AMX, every product on AVX2 CPUs without AVX-512 (whose oneDNN has no bf16), else 0,
+    and 0 under a lower SPECDEC_CPU_ISA cap."""
+    monkeypatch.setattr(packed_linear, "_supported", lambda: False)  # as on AVX2 CPUs
     monkeypatch.setenv("SPECDEC_TILED_ROWS", "12")
     assert packed_linear.tiled_rows() == 12
     monkeypatch.setenv("SPECDEC_TILED_ROWS", "lots")
@@ -108,6 +124,9 @@ def test_tiled_rows_setting(monkeypatch):
         ({"avx512_bf16": True, "amx_bf16": True}, None, 1),
         ({"avx512_bf16": False}, None, 0),
         ({"avx512_bf16": True, "amx_bf16": False}, "avx2", 0),
+        ({"avx2": True}, None, packed_linear.AVX2_TILED_ROWS),
+        ({"avx2": True}, "baseline", 0),
+        ({"avx2": True, "avx512_f": True}, None, 0),  # AVX-512 without BF16: unmeasured
     ]:
         monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda c=capability: c)
         if cap is None:
@@ -119,9 +138,10 @@ def test_tiled_rows_setting(monkeypatch):
     packed_linear._auto_tiled_rows.cache_clear()
 
 
-@needs_bf16
 @pytest.mark.parametrize("tiled_rows", ["0", "64"])
 def test_weight_changed_in_place_is_repacked(tiled_rows, monkeypatch):
+    if tiled_rows == "0" and not ONEDNN:
+        pytest.skip("oneDNN without bf16 on this CPU")
     monkeypatch.setenv("SPECDEC_TILED_ROWS", tiled_rows)
     lin = PackedLinear.convert(linear(64, 48, False))
     x = torch.randn(4, 64).to(torch.bfloat16)
@@ -141,7 +161,6 @@ def test_weight_changed_in_place_is_repacked(tiled_rows, monkeypatch):
     assert torch.equal(reloaded, want_reloaded)
 
 
-@needs_bf16
 def test_training_and_other_dtypes_take_f_linear():
     lin = PackedLinear.convert(linear(32, 16, True))
     x = torch.randn(3, 32).to(torch.bfloat16)
@@ -162,9 +181,9 @@ def test_configure_switch_and_state_dict(monkeypatch):
     assert packed_linear.configure(model) == 0
     monkeypatch.delenv("SPECDEC_PREPACK_WEIGHTS")
     packed = packed_linear.configure(model)
-    assert packed == (n_linear if SUPPORTED else 0)
+    assert packed == (n_linear if PACKS else 0)
     kinds = {type(m) for m in model.modules() if isinstance(m, nn.Linear)}
-    assert kinds == ({PackedLinear} if SUPPORTED else {nn.Linear})
+    assert kinds == ({PackedLinear} if PACKS else {nn.Linear})
     assert list(model.state_dict()) == keys  # same parameters, same names
     assert packed_linear.configure(model, False) == 0  # unpacks
     assert {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
@@ -173,10 +192,10 @@ def test_configure_switch_and_state_dict(monkeypatch):
     # "auto" leaves the weights alone when their packed copy would not fit in half the memory
     monkeypatch.setattr(packed_linear, "free_memory", lambda device: 1000)
     assert packed_linear.configure(model) == 0
-    assert packed_linear.configure(model, True) == (n_linear if SUPPORTED else 0)  # asked for
+    assert packed_linear.configure(model, True) == (n_linear if PACKS else 0)  # asked for
 
 
-@needs_bf16
+@needs_onednn
 @pytest.mark.parametrize("tree", ["chain:1", "dynamic:4,3,10"])
 def test_engine_bf16_same_tokens_packed_or_not(tree, monkeypatch):
     """The engine packs a bf16 target and its EAGLE head by default; in oneDNN's layout at these
@@ -203,10 +222,10 @@ def test_subclasses_with_their_own_forward_are_left_alone():
     block.feed_forward.w2 = row_parallel
     packed_linear.configure(model, True)
     assert type(block.feed_forward.w2) is RowParallelLinear
-    assert type(block.attention.wo) is (PackedLinear if SUPPORTED else nn.Linear)
+    assert type(block.attention.wo) is (PackedLinear if PACKS else nn.Linear)
 
 
-@needs_bf16
+@needs_onednn
 @pytest.mark.parametrize("layout", ["onednn", "tiles"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_eagle_draft_lm_head_runs_prepacked(rows, layout, monkeypatch):
