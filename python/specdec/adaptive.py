@@ -706,12 +706,14 @@ class Policy:
         node_depth = np.maximum(_host(depth).astype(np.int64) - 1, 0)  # depth 1 -> index 0
         dep = node_depth[tried]
         D = self.spec.depth
-        # per depth, summed confidence and accepted count of the tried nodes (np.add.at
-        # raises on a depth past D, as index_add_ did)
-        conf, acc = np.zeros(D), np.zeros(D)
-        np.add.at(conf, dep, confidence[tried])
-        np.add.at(acc, dep, on_path[tried])
-        if slots is not None:  # per request: accepted vs predicted (before this update)
+        # per depth, summed confidence and accepted count of the tried nodes
+        if dep.size and int(dep.max()) >= D:
+            raise IndexError(f"a draft node at depth {int(dep.max()) + 1} > the spec's {D}")
+        conf = np.bincount(dep, weights=confidence[tried], minlength=D)
+        acc = np.bincount(dep, weights=on_path[tried], minlength=D)
+        # per request: accepted vs predicted (before this update); a lone request has no
+        # batch-mates to be told apart from, and sizes() uses the records only when B > 1
+        if slots is not None and B > 1:
             ratio = self.accepted / self.confidence
             predicted = np.where(tried, np.minimum(ratio[node_depth] * confidence, 1.0), 0.0)
             hits = (on_path & tried).sum(1)

@@ -373,6 +373,11 @@ def test_policy_learns_each_requests_record():
     assert sizes[0] > sizes[1]
     p.start([1])
     assert p.request_factor(1) == 1.0
+    # a lone request keeps no record: with no batch-mates there is nothing to tell apart
+    fields = ("tokens", "parents", "num_nodes", "confidence")
+    lone = type("D", (), {k: getattr(d, k)[:1] for k in fields})()
+    p.observe(lone, depth[:1], accepted[0][:1], accepted[1][:1], slots=[1])
+    assert 1 not in p.request_stats
 
 
 # float32 SmolLM2-135M on 2 shared CPU cores (seconds): a 2-node verify costs 6% more than a
