@@ -10,7 +10,8 @@
 // vdpbf16ps with a broadcast input pair of x adds both products to 16 float accumulators, so a
 // tile of 64 outputs is 4 loads and 4 dot products per input pair and per row, with no
 // horizontal reduction and the weight read once, front to back. Up to 6 rows share each load
-// (24 accumulators); more rows re-read the tile (by then in L2) per group of 6.
+// (24 accumulators; the portable AVX2 / SSE builds: 8 rows, see tile_rows_16_registers); more
+// rows re-read the tile (by then in L2) per group.
 //
 // Numerics: float32 accumulation over the inputs in order (of each pair the odd input first,
 // as vdpbf16ps adds them; a bf16 product is exact in float, so each add is one rounding),
@@ -38,7 +39,7 @@ namespace specdec {
 namespace {
 
 constexpr int64_t kTile = 64;            // outputs per tile
-constexpr int kMaxRows = 6;              // rows that share one pass over a tile (32 registers)
+constexpr int kMaxRows = 8;              // rows that share one pass over a tile, at most
 constexpr int64_t kTaskBytes = 1 << 18;  // weight bytes per parallel task, at least
 // input pairs per block of the portable builds: every pass over a block (32 rows of the tile,
 // 8 KB) finds it in L1
@@ -176,17 +177,18 @@ SPECDEC_INLINE void tile_rows_portable(const uint32_t* tile, const void* inputs,
   }
 }
 
-// 16 vector registers (AVX2, SSE): the rows of one pass over a tile, at most 4, each count
-// with the vectors per pass that ran fastest over a step's weights (session 17, Zen 3, 2
-// threads, weight by weight): 1 row 8 vectors (15.6 ms, the memory's speed), 2 rows 4 (16.5),
-// 3 rows 4 (19.0; 2 vectors: 24.8), 4 rows 2 (25.9; row by row 26.6, 1 vector 29.5).
-constexpr int kMaxRows16 = 4;
+// 16 vector registers (AVX2, SSE): up to 8 rows share a pass over a tile. The vectors per
+// pass that ran fastest over a step's weights (session 17, Zen 3, 2 threads, interleaved): 1
+// row 8 vectors (the memory's speed), 2-8 rows 4 (32 outputs: 4 rows 21.6 ms against 35.0 at
+// 2 vectors, 8 rows 33.3 ms against 43 as 6 + 2). Beyond 3 rows the accumulators spill to
+// the stack (L1) and still beat passes over fewer outputs: each pass reads 128 contiguous
+// bytes of every 256-byte row of the tile, not 64.
+constexpr int kMaxRows16 = 8;
 template <int ROWS, int LANES>
 SPECDEC_INLINE void tile_rows_16_registers(const uint32_t* tile, const void* x, int64_t ldx,
                                            int64_t num_pairs, float* acc_out) {
   static_assert(ROWS <= kMaxRows16);
-  constexpr int kVecs = ROWS == 1 ? 8 : ROWS <= 3 ? 4 : 2;
-  tile_rows_portable<ROWS, LANES, kVecs, false>(tile, x, ldx, num_pairs, acc_out);
+  tile_rows_portable<ROWS, LANES, ROWS == 1 ? 8 : 4, false>(tile, x, ldx, num_pairs, acc_out);
 }
 
 template <int ROWS>
@@ -235,22 +237,24 @@ TileKernels pick_kernels() {
   if (isa >= CpuIsa::kAvx512Bf16) {
     return {{&tile_rows_bf16<1>, &tile_rows_bf16<2>, &tile_rows_bf16<3>, &tile_rows_bf16<4>,
              &tile_rows_bf16<5>, &tile_rows_bf16<6>},
-            kMaxRows,
+            6,  // 24 of the 32 registers accumulate
             true};
   }
   if (isa >= CpuIsa::kAvx512) {
     return {{&tile_rows_avx512<1>, &tile_rows_avx512<2>, &tile_rows_avx512<3>, &tile_rows_avx512<4>,
              &tile_rows_avx512<5>, &tile_rows_avx512<6>},
-            kMaxRows,
+            6,
             false};
   }
   if (isa >= CpuIsa::kAvx2) {
-    return {{&tile_rows_avx2<1>, &tile_rows_avx2<2>, &tile_rows_avx2<3>, &tile_rows_avx2<4>},
+    return {{&tile_rows_avx2<1>, &tile_rows_avx2<2>, &tile_rows_avx2<3>, &tile_rows_avx2<4>,
+             &tile_rows_avx2<5>, &tile_rows_avx2<6>, &tile_rows_avx2<7>, &tile_rows_avx2<8>},
             kMaxRows16,
             false};
   }
   return {{&tile_rows_baseline<1>, &tile_rows_baseline<2>, &tile_rows_baseline<3>,
-           &tile_rows_baseline<4>},
+           &tile_rows_baseline<4>, &tile_rows_baseline<5>, &tile_rows_baseline<6>,
+           &tile_rows_baseline<7>, &tile_rows_baseline<8>},
           kMaxRows16,
           false};
 }
