@@ -10,7 +10,7 @@
 // vdpbf16ps with a broadcast input pair of x adds both products to 16 float accumulators, so a
 // tile of 64 outputs is 4 loads and 4 dot products per input pair and per row, with no
 // horizontal reduction and the weight read once, front to back. Up to 6 rows share each load
-// (24 accumulators; the portable AVX2 / SSE builds: 8 rows, see tile_rows_16_registers); more
+// (24 accumulators; the portable AVX2 / SSE builds: 8 rows, see tile_rows_portable); more
 // rows re-read the tile (by then in L2) per group.
 //
 // Numerics: float32 accumulation over the inputs in order (of each pair the odd input first,
@@ -41,9 +41,6 @@ namespace {
 constexpr int64_t kTile = 64;            // outputs per tile
 constexpr int kMaxRows = 8;              // rows that share one pass over a tile, at most
 constexpr int64_t kTaskBytes = 1 << 18;  // weight bytes per parallel task, at least
-// input pairs per block of the portable builds: every pass over a block (32 rows of the tile,
-// 8 KB) finds it in L1
-constexpr int64_t kBlockPairs = 32;
 
 // acc[r, 0:64] (float) of rows r < rows of x -> y[r, n0 : n0 + valid] in bf16 (+ bias).
 SPECDEC_INLINE void store_tile(const float* acc, int rows, const c10::BFloat16* bias,
@@ -92,123 +89,83 @@ SPECDEC_BF16_TARGET void tile_rows_bf16(const uint32_t* tile, const void* inputs
 // half, is that float. The inputs come widened to float once per call (widen_inputs), so a
 // row's input is one broadcast load from memory, not a scalar conversion per pass.
 //
-// A pass covers LANES * VECS of the tile's 64 outputs; the passes split the tile so that
-// ROWS x VECS accumulators and the converted weights stay in the ISA's registers (AVX2 and
-// SSE: 16; AVX-512: 32). One pass over all 64 outputs at 6 rows needs 48 ymm accumulators on
-// AVX2: spilled, the product ran at a third of the memory's speed (session 17: 54 ms for a
-// step's weights at one row against 15 ms to stream them). The tile is walked in blocks of
-// kBlockPairs input pairs (8 KB), every pass over a block before the next block, so the later
-// passes find it in L1 and DRAM delivers each line once; the first pass prefetches the next
-// block (a pass reads part of each 256-byte row, which the hardware does not fetch ahead as it
-// does a sequential read).
-template <int ROWS, int LANES, int VECS, bool ROW_OUTER>
+// One pass over the tile's 64 outputs, front to back, for every row count, though ROWS x
+// 64 / LANES accumulators outnumber the 16 registers of AVX2 and SSE (up to 8 rows: 64): the
+// spilled accumulators live in L1, and a sequential read of each 256-byte tile row is what
+// keeps the memory streaming. Measured on Zen 3 (benchmarks/RESULTS.md, session 18, random
+// weights, 2 threads): a step's weights at 2 / 4 / 8 rows cost 1.0 / 1.1 / 1.8x one row in one
+// pass, against 1.2 / 1.4 / 2.0x in passes over 32 outputs sized for the registers. Each
+// tile row kPrefetchPairs ahead is prefetched: the hardware's prefetcher alone left a
+// 576 x 576 product ~40% slower (it does not run ahead across 4 KB pages).
+constexpr int64_t kPrefetchPairs = 32;  // 8 KB ahead
+
+template <int ROWS, int LANES>
 SPECDEC_INLINE void tile_rows_portable(const uint32_t* tile, const void* inputs, int64_t ldx,
                                        int64_t num_pairs, float* acc_out) {
   using F = typename Simd<LANES>::f;
   using U = typename Simd<LANES>::i32;
-  constexpr int kPassOutputs = LANES * VECS, kPasses = kTile / kPassOutputs;
-  static_assert(kTile % kPassOutputs == 0, "a pass covers a whole part of the tile");
+  constexpr int kVecs = kTile / LANES;
   const auto* x = static_cast<const float*>(inputs);  // [ROWS, 2 num_pairs], row stride ldx
-  for (int64_t begin = 0; begin < num_pairs; begin += kBlockPairs) {
-    const int64_t end = std::min(num_pairs, begin + kBlockPairs);
-    for (int pass = 0; pass < kPasses; ++pass) {
-      float* out = acc_out + pass * kPassOutputs;
-      F acc[ROWS][VECS];
+  F acc[ROWS][kVecs];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int j = 0; j < kVecs; ++j) acc[r][j] = F{};
+  }
+  for (int64_t k2 = 0; k2 < num_pairs; ++k2) {
+    if (k2 + kPrefetchPairs < num_pairs) {
+      const uint32_t* ahead = tile + (k2 + kPrefetchPairs) * kTile;
+      for (int line = 0; line < kTile; line += 16) __builtin_prefetch(ahead + line);
+    }
+    F x_even[ROWS], x_odd[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      x_odd[r] = splat<LANES>(x[r * ldx + 2 * k2 + 1]);
+      x_even[r] = splat<LANES>(x[r * ldx + 2 * k2]);
+    }
+    // vdpbf16ps' order (the odd input, then the even one, each product exact in float, so a
+    // fused multiply-add rounds as a multiply and an add): every build gives the same bits but
+    // for denormals, which vdpbf16ps flushes
+    for (int j = 0; j < kVecs; ++j) {
+      U pairs;
+      std::memcpy(&pairs, tile + k2 * kTile + LANES * j, sizeof(pairs));
+      const U even_bits = pairs << 16, odd_bits = pairs & int32_t(0xFFFF0000u);
+      F even, odd;
+      std::memcpy(&even, &even_bits, sizeof(F));
+      std::memcpy(&odd, &odd_bits, sizeof(F));
       for (int r = 0; r < ROWS; ++r) {
-        for (int j = 0; j < VECS; ++j) {
-          if (begin == 0) {
-            acc[r][j] = F{};
-          } else {
-            std::memcpy(&acc[r][j], out + r * kTile + LANES * j, sizeof(F));
-          }
-        }
-      }
-      const uint32_t* column = tile + pass * kPassOutputs;
-      for (int64_t k2 = begin; k2 < end; ++k2) {
-        if (kPasses > 1 && pass == 0 && k2 + kBlockPairs < num_pairs) {
-          const uint32_t* ahead = tile + (k2 + kBlockPairs) * kTile;
-          for (int line = 0; line < kTile; line += 16) __builtin_prefetch(ahead + line);
-        }
-        // vdpbf16ps' order (the odd input, then the even one, each product exact in float, so
-        // a fused multiply-add rounds as a multiply and an add): every build gives the same
-        // bits but for denormals, which vdpbf16ps flushes
-        if constexpr (ROW_OUTER) {  // every weight converted once, then row by row
-          F even[VECS], odd[VECS];
-          for (int j = 0; j < VECS; ++j) {
-            U pairs;
-            std::memcpy(&pairs, column + k2 * kTile + LANES * j, sizeof(pairs));
-            const U even_bits = pairs << 16, odd_bits = pairs & int32_t(0xFFFF0000u);
-            std::memcpy(&even[j], &even_bits, sizeof(F));
-            std::memcpy(&odd[j], &odd_bits, sizeof(F));
-          }
-          for (int r = 0; r < ROWS; ++r) {
-            const float x_odd = x[r * ldx + 2 * k2 + 1], x_even = x[r * ldx + 2 * k2];
-            for (int j = 0; j < VECS; ++j) {
-              acc[r][j] += odd[j] * x_odd;
-              acc[r][j] += even[j] * x_even;
-            }
-          }
-        } else {  // weight vector by weight vector, every row's inputs broadcast once
-          F x_even[ROWS], x_odd[ROWS];
-          for (int r = 0; r < ROWS; ++r) {
-            x_odd[r] = F{} + x[r * ldx + 2 * k2 + 1];
-            x_even[r] = F{} + x[r * ldx + 2 * k2];
-          }
-          for (int j = 0; j < VECS; ++j) {
-            U pairs;
-            std::memcpy(&pairs, column + k2 * kTile + LANES * j, sizeof(pairs));
-            const U even_bits = pairs << 16, odd_bits = pairs & int32_t(0xFFFF0000u);
-            F even, odd;
-            std::memcpy(&even, &even_bits, sizeof(F));
-            std::memcpy(&odd, &odd_bits, sizeof(F));
-            for (int r = 0; r < ROWS; ++r) {
-              acc[r][j] += odd * x_odd[r];
-              acc[r][j] += even * x_even[r];
-            }
-          }
-        }
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        for (int j = 0; j < VECS; ++j) {
-          std::memcpy(out + r * kTile + LANES * j, &acc[r][j], sizeof(F));
-        }
+        acc[r][j] += odd * x_odd[r];
+        acc[r][j] += even * x_even[r];
       }
     }
   }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int j = 0; j < kVecs; ++j)
+      std::memcpy(acc_out + r * kTile + LANES * j, &acc[r][j], sizeof(F));
+  }
 }
 
-// 16 vector registers (AVX2, SSE): up to 8 rows share a pass over a tile. The vectors per
-// pass that ran fastest over a step's weights (session 17, Zen 3, 2 threads, interleaved): 1
-// row 8 vectors (the memory's speed), 2-8 rows 4 (32 outputs: 4 rows 21.6 ms against 35.0 at
-// 2 vectors, 8 rows 33.3 ms against 43 as 6 + 2). Beyond 3 rows the accumulators spill to
-// the stack (L1) and still beat passes over fewer outputs: each pass reads 128 contiguous
-// bytes of every 256-byte row of the tile, not 64.
+// 16 vector registers (AVX2, SSE): up to 8 rows share a pass (a 9th row costs a second pass
+// over the tile, by then in L2).
 constexpr int kMaxRows16 = 8;
-template <int ROWS, int LANES>
-SPECDEC_INLINE void tile_rows_16_registers(const uint32_t* tile, const void* x, int64_t ldx,
-                                           int64_t num_pairs, float* acc_out) {
-  static_assert(ROWS <= kMaxRows16);
-  tile_rows_portable<ROWS, LANES, ROWS == 1 ? 8 : 4, false>(tile, x, ldx, num_pairs, acc_out);
-}
 
 template <int ROWS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void tile_rows_avx512(
     const uint32_t* tile, const void* x, int64_t ldx, int64_t num_pairs, float* acc_out) {
-  // 32 registers: the whole tile in one pass (24 accumulators at 6 rows)
-  tile_rows_portable<ROWS, 16, 4, false>(tile, x, ldx, num_pairs, acc_out);
+  // 32 registers: 24 accumulators at 6 rows
+  tile_rows_portable<ROWS, 16>(tile, x, ldx, num_pairs, acc_out);
 }
 
 template <int ROWS>
 __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const uint32_t* tile, const void* x,
                                                              int64_t ldx, int64_t num_pairs,
                                                              float* acc_out) {
-  tile_rows_16_registers<ROWS, 8>(tile, x, ldx, num_pairs, acc_out);
+  static_assert(ROWS <= kMaxRows16);
+  tile_rows_portable<ROWS, 8>(tile, x, ldx, num_pairs, acc_out);
 }
 
 template <int ROWS>
 void tile_rows_baseline(const uint32_t* tile, const void* x, int64_t ldx, int64_t num_pairs,
                         float* acc_out) {
-  tile_rows_16_registers<ROWS, 4>(tile, x, ldx, num_pairs, acc_out);
+  static_assert(ROWS <= kMaxRows16);
+  tile_rows_portable<ROWS, 4>(tile, x, ldx, num_pairs, acc_out);
 }
 
 // x [rows, K] bf16 -> its values as float (the bits moved to the high half), into out.

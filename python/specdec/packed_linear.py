@@ -37,15 +37,17 @@ from . import host_memory
 from .device_memory import free_memory
 
 
+@functools.cache  # a dispatcher call: WeightPack.get asks on every wide product
 def _supported() -> bool:
+    """Whether torch's oneDNN has bf16 products on this CPU."""
     mkldnn = torch.backends.mkldnn
     return bool(mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # SPECDEC_TILED_ROWS=auto on CPUs whose widest kernel build is AVX2 (no AVX-512) and whose
 # oneDNN has no bf16: every product. ATen's bf16 product there runs row by row (a step's
-# weights 26 ms at 1 row, 39 at 2, 142 at 8, 2185 at 128 on a 2-core Zen 3), the tiles
-# stream them (17-19, 23, 46, 632 ms; benchmarks/RESULTS.md, session 17)
+# 269 MB of weights 26 ms at 1 row, 41 at 2, 145 at 8, 2418 at 128 on a 2-core Zen 3), the
+# tiles stream them (22, 22, 35, 515 ms; benchmarks/RESULTS.md, session 18)
 AVX2_TILED_ROWS = 1 << 62
 
 
