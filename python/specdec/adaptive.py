@@ -10,12 +10,16 @@ measured batch sizes): under load, when a bigger tree costs more than its drafts
 shrink and the steps go plain by themselves.
 
 Value (`Policy`, running): as EAGLE-2 observed, a draft node's confidence (the head's
-probability of its token) tracks its chance of being accepted. Per draft depth we keep the
-ratio of accepted nodes to the summed confidence of the nodes the walk tried (both decayed,
-so the ratio follows the workload) and predict
-    P(node accepted) = P(parent accepted) * min(1, ratio[depth] * confidence(node)).
+probability of its token) tracks its chance of being accepted. Per draft depth and band of
+confidence (CONFIDENCE_EDGES) we keep the ratio of accepted nodes to the summed confidence of
+the nodes the walk tried (both decayed, so the ratio follows the workload) and predict
+    P(node accepted) = P(parent accepted) * min(1, ratio[depth, band] * confidence(node)).
 Low-confidence (high-entropy) drafts thus get small trees, an over-confident head (high
-temperature, an untrained head) gets its ratio pulled down by what is actually accepted.
+temperature, an untrained head) gets its ratio pulled down by what is actually accepted. The
+bands matter: a head trained on the target's distribution under-states its top candidate and
+over-states the runners-up (Zen 3, MT-bench, greedy: one ratio per depth of 1.27 valued a
+second child at 1.27x its confidence, so adaptive mode verified three children of the root
+where one paid best; benchmarks/RESULTS.md, session 18).
 
 Each step, with E = 1 + sum of P over the kept nodes (expected tokens per target forward):
  1. plain or speculative: when the recent speculative rate (the recent steps' mean tokens
@@ -72,6 +76,9 @@ from .drafting import TreeSpec, draft_dynamic
 
 DECAY = 0.97  # per step: the statistics cover roughly the last 30 steps
 PRIOR = 2.0  # pseudo-count of confidence behind the initial ratio 1 (trust the head at first)
+# the confidence bands of the ratios: [0, 0.05), [0.05, 0.15), ..., [0.65, 1]
+CONFIDENCE_EDGES = np.array([0.05, 0.15, 0.35, 0.65])
+NUM_BANDS = len(CONFIDENCE_EDGES) + 1
 MIN_PROBE, MAX_PROBE = 4, 64
 # plain or speculative: speculation's recent tokens per step are a mean over few, noisy steps
 # (a step accepts 0 or 1+ drafts); the decision uses its upper confidence bound, mean +
@@ -348,8 +355,9 @@ class Policy:
         # dozen operations on [B, C] values cost ~1 us each there against ~5-10 us as torch
         # calls (~0.9 ms a step at batch 1, 6% of a CPU step); the tensors it reads come over
         # in one transfer per call
-        self.accepted = np.full(spec.depth, PRIOR)
-        self.confidence = np.full(spec.depth, PRIOR)
+        # [depth, band]: decayed accepted counts and summed confidence of the tried nodes
+        self.accepted = np.full((spec.depth, NUM_BANDS), PRIOR)
+        self.confidence = np.full((spec.depth, NUM_BANDS), PRIOR)
         # per depth and rank in the frontier, decayed: the summed confidence of an expanded
         # node's best child and the count of expansions behind it (PRIOR pseudo-counts of
         # confidence 1: at first a level is priced at its best case)
@@ -470,7 +478,7 @@ class Policy:
         children: logprob [B, W, C] holds the C children of each of the W expanded nodes, in
         frontier order (grow_dynamic): each rank's best child's confidence is recorded for
         expand_width."""
-        ratio = float(self.accepted[depth - 1] / self.confidence[depth - 1])
+        ratios = self.accepted[depth - 1] / self.confidence[depth - 1]  # [NUM_BANDS]
         conf = logprob.float().exp()
         if children:
             top = _host(conf.amax(-1).mean(0))  # [W]: by the expanded node's rank
@@ -478,8 +486,15 @@ class Policy:
             seen *= DECAY
             seen[0] += top
             seen[1] += 1.0
-        local = (conf * ratio).clamp(max=1.0)
+        edges = torch.as_tensor(CONFIDENCE_EDGES, dtype=conf.dtype, device=conf.device)
+        ratio = torch.as_tensor(ratios, dtype=conf.dtype, device=conf.device)
+        local = (conf * ratio[torch.bucketize(conf, edges, right=True)]).clamp(max=1.0)
         return local if parent_value is None else parent_value[..., None] * local
+
+    def ratio(self, depth: int, confidence) -> np.ndarray:
+        """Accepted over predicted for draft nodes at `depth` >= 1 of these confidences (any
+        shape; the learnt calibration node_value applies)."""
+        return (self.accepted[depth - 1] / self.confidence[depth - 1])[_bands(confidence)]
 
     def prefix_values(self, values) -> np.ndarray:
         """Candidate values [B, C] (tensor or array) -> [s_1, s_2, ...]: expected accepted
@@ -615,10 +630,10 @@ class Policy:
             return 0
         sums, rows = self.prefix_values(values), values.shape[0]
         widths = self.widths + [self.spec.topk] * (levels - 1 - len(self.widths))
-        ratio = float(self.accepted[levels] / self.confidence[levels])
         frontier = _host(frontier_values)  # [B, W]
         seen = self.best_child[:, levels, : frontier.shape[1]]
-        child = np.minimum(ratio * seen[0] / seen[1], 1.0)  # [W]: a best child's value, by rank
+        mean = seen[0] / seen[1]  # [W]: a best child's confidence, by rank
+        child = np.minimum(self.ratio(levels + 1, mean) * mean, 1.0)  # [W]: its value
         gains = (frontier * child).cumsum(1).mean(0)  # [W]: the first w expanded
         # option 0: stop here; option w: one more level, w nodes wide, whose cost is linear
         # in w (draft_cost: priced at the two ends)
@@ -709,13 +724,15 @@ class Policy:
         # per depth, summed confidence and accepted count of the tried nodes
         if dep.size and int(dep.max()) >= D:
             raise IndexError(f"a draft node at depth {int(dep.max()) + 1} > the spec's {D}")
-        conf = np.bincount(dep, weights=confidence[tried], minlength=D)
-        acc = np.bincount(dep, weights=on_path[tried], minlength=D)
+        cell = dep * NUM_BANDS + _bands(confidence[tried])
+        conf = np.bincount(cell, weights=confidence[tried], minlength=D * NUM_BANDS)
+        acc = np.bincount(cell, weights=on_path[tried], minlength=D * NUM_BANDS)
+        conf, acc = conf.reshape(D, NUM_BANDS), acc.reshape(D, NUM_BANDS)
         # per request: accepted vs predicted (before this update); a lone request has no
         # batch-mates to be told apart from, and sizes() uses the records only when B > 1
         if slots is not None and B > 1:
-            ratio = self.accepted / self.confidence
-            predicted = np.where(tried, np.minimum(ratio[node_depth] * confidence, 1.0), 0.0)
+            ratio = (self.accepted / self.confidence)[node_depth, _bands(confidence)]
+            predicted = np.where(tried, np.minimum(ratio * confidence, 1.0), 0.0)
             hits = (on_path & tried).sum(1)
             for slot, a, e in zip(slots, hits.tolist(), predicted.sum(1).tolist()):
                 st = self.request_stats.setdefault(int(slot), [0.0, 0.0])
@@ -743,6 +760,11 @@ def _host(t) -> np.ndarray:
     if t.is_floating_point() and t.dtype != torch.float64:
         t = t.double()
     return t.cpu().numpy()
+
+
+def _bands(confidence) -> np.ndarray:
+    """The CONFIDENCE_EDGES band of each confidence (array-like) -> int array."""
+    return np.searchsorted(CONFIDENCE_EDGES, np.asarray(confidence), side="right")
 
 
 def _descending(values: np.ndarray) -> np.ndarray:

@@ -164,7 +164,7 @@ def test_policy_learns_acceptance_and_falls_back_with_probes():
         p.size(torch.tensor([[0.9, 0.8]]), 2)
         p.observe(d, depth, *rejected)
     assert p.spec_rate() < p.plain_rate()
-    assert float(p.accepted[0] / p.confidence[0]) < 0.2
+    assert p.ratio(1, 0.9) < 0.2
     decisions = [p.speculate() for _ in range(4 * MAX_PROBE)]
     assert sum(decisions) >= 3 and not all(decisions)
     gaps = [
@@ -174,6 +174,35 @@ def test_policy_learns_acceptance_and_falls_back_with_probes():
         )
     ]
     assert max(gaps) <= MAX_PROBE
+
+
+def test_policy_calibrates_each_confidence_band():
+    """A head that under-states its top child (confidence 0.5, always accepted) and
+    over-states the runner-up (0.3, never accepted): each is valued by its own band's record,
+    so the runner-up is worth little and a tree keeps one child. One ratio per depth (1.23
+    here: accepted 1 a step over confidence 0.8) would value the runner-up at 0.37, worth its
+    10% more verify time."""
+    p = Policy(CostModel(1, [1, 2, 4, 10], [1.0, 1.1, 1.3, 1.9], [0.02, 0.04, 0.06, 0.08]), SPEC)
+    d = type(
+        "D",
+        (),
+        dict(
+            tokens=torch.tensor([[5, 6, 7]]),
+            parents=torch.tensor([[-1, 0, 0]], dtype=torch.int32),
+            num_nodes=torch.tensor([3], dtype=torch.int32),
+            confidence=torch.tensor([[1.0, 0.5, 0.3]]),
+        ),
+    )()
+    depth = torch.tensor([[0, 1, 1]])
+    first_child_accepted = torch.tensor([[0, 1, -1]]), torch.tensor([1])
+    children = torch.tensor([[0.5, 0.3]]).log()
+    for _ in range(60):
+        p.size(p.node_value(None, children, depth=1), 1)
+        p.observe(d, depth, *first_child_accepted)
+    values = p.node_value(None, children, depth=1)
+    assert values[0, 0] > 0.9 and values[0, 1] < 0.1
+    assert p.ratio(1, 0.5) > 1.5 and p.ratio(1, 0.3) < 0.3
+    assert p.size(values, 1) == 1
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
