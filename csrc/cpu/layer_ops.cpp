@@ -31,8 +31,8 @@
 
 // Keep a * b + c as two roundings, as ATen's separate mul and add ops do. No FP traps: with
 // them (GCC's default -ftrapping-math) a comparison reached on one branch of another (exp's
-// clamps, the bf16 rounding's NaN test) may not be speculated, which left the loops around
-// them scalar ("control flow in loop": SwiGLU ~12 ns an element on Zen 3). No value changes.
+// clamps) may not be speculated, which left the loops around them scalar ("control flow in
+// loop": SwiGLU ~12 ns an element on Zen 3). No value changes.
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")
 
 namespace specdec {

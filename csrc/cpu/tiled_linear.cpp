@@ -157,14 +157,12 @@ template <int ROWS>
 __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const uint32_t* tile, const void* x,
                                                              int64_t ldx, int64_t num_pairs,
                                                              float* acc_out) {
-  static_assert(ROWS <= kMaxRows16);
   tile_rows_portable<ROWS, 8>(tile, x, ldx, num_pairs, acc_out);
 }
 
 template <int ROWS>
 void tile_rows_baseline(const uint32_t* tile, const void* x, int64_t ldx, int64_t num_pairs,
                         float* acc_out) {
-  static_assert(ROWS <= kMaxRows16);
   tile_rows_portable<ROWS, 4>(tile, x, ldx, num_pairs, acc_out);
 }
 
