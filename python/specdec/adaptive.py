@@ -63,6 +63,7 @@ Every step is an ordinary speculative step (exact for any tree), so the outputs 
 target exactly; only the speed depends on these choices.
 """
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -383,6 +384,7 @@ class Policy:
         self.level_ratios = [CALIBRATION_PRIOR, CALIBRATION_PRIOR]  # the same for draft levels
         # per batch size, from the cost model: verify(1 .. TOTAL) and the draft levels' costs
         self._curves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._slopes: dict[int, np.ndarray] = {}
         self._curves_of: CostModel | None = None
         # the widths this step's levels past the first were drafted at (expand_width)
         self.widths: list[int] = []
@@ -486,9 +488,8 @@ class Policy:
             seen *= DECAY
             seen[0] += top
             seen[1] += 1.0
-        edges = torch.as_tensor(CONFIDENCE_EDGES, dtype=conf.dtype, device=conf.device)
-        ratio = torch.as_tensor(ratios, dtype=conf.dtype, device=conf.device)
-        local = (conf * ratio[torch.bucketize(conf, edges, right=True)]).clamp(max=1.0)
+        ratio = torch.from_numpy(ratios.astype(np.float32)).to(conf.device)
+        local = (conf * ratio[_bands(conf)]).clamp(max=1.0)
         return local if parent_value is None else parent_value[..., None] * local
 
     def ratio(self, depth: int, confidence) -> np.ndarray:
@@ -504,16 +505,14 @@ class Policy:
         batch keeps its M best nodes, about M / B per request)."""
         values = _descending(_host(values))
         if not self.per_request:
-            return values.cumsum(1).mean(0)
-        B = values.shape[0]
-        top = values[:, : self.spec.total - 1].ravel()
-        return np.sort(top)[::-1].cumsum() / B
+            return values.cumsum(1).sum(0) / values.shape[0]  # (np.mean's own overhead: ~8 us)
+        return _batch_prefix(values[:, : self.spec.total - 1])
 
     def _curves_at(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(verify(T) at T = 1 .. TOTAL, draft(l), draft_narrow(l) at l = 1 .. DEPTH + 1) at
         this batch, computed once per batch size (the cost model is fixed once measured)."""
         if self._curves_of is not self.cost:  # a new cost model: forget the old curves
-            self._curves, self._curves_of = {}, self.cost
+            self._curves, self._slopes, self._curves_of = {}, {}, self.cost
         curves = self._curves.get(batch)
         if curves is None:
             levels = range(1, self.spec.depth + 2)
@@ -523,6 +522,15 @@ class Policy:
                 np.array([self.cost.draft_narrow(lv, batch) for lv in levels]),
             )
         return curves
+
+    def _slopes_at(self, batch: int) -> np.ndarray:
+        """verify(T + 1) - verify(T) at T = 1 .. TOTAL (0 at TOTAL: nothing is larger), for
+        _best_rates' interpolation; once per batch size."""
+        whole = self._curves_at(batch)[0]
+        slopes = self._slopes.get(batch)
+        if slopes is None:
+            slopes = self._slopes[batch] = np.append(np.diff(whole), 0.0)
+        return slopes
 
     def draft_cost(self, levels: int, widths: list | None = None) -> float:
         """Seconds of drafting `levels` levels at the live occupancy, level l >= 2 expanding
@@ -598,7 +606,7 @@ class Policy:
         (one numpy pass: expand_width prices every width of a level)."""
         # verify(T) is piecewise linear between whole T (the measured sizes are whole), so
         # the mean sizes below interpolate exactly
-        whole = self._curves_at(self.batch)[0]
+        whole, slope = self._curves_at(self.batch)[0], self._slopes_at(self.batch)
         plain = 1.0 / (draft + whole[0])  # n = 0: the root alone
         step = 1.0 / rows if self.per_request else 1.0
         limit = len(sums) if self.per_request else min(len(sums), self.spec.total - 1)
@@ -608,12 +616,11 @@ class Policy:
         # drafts per request, mean: [O, limit]
         x = np.minimum(n[None] * step + extra[:, None], self.spec.total - 1)
         lo = x.astype(np.int64)
-        hi = np.minimum(lo + 1, len(whole) - 1)
-        verify = whole[lo] + (whole[hi] - whole[lo]) * (x - lo)
+        verify = whole[lo] + slope[lo] * (x - lo)
         tokens = 1.0 + np.asarray(sums[:limit], dtype=np.float64)[None] + gain[:, None]
         rate = tokens / (draft[:, None] + verify)
         i = rate.argmax(1)  # the first of equal rates: the smallest tree
-        top = rate[np.arange(len(draft)), i]
+        top = rate.max(1)
         better = top > plain
         return np.where(better, top, plain), np.where(better, i + 1, 0)
 
@@ -634,7 +641,7 @@ class Policy:
         seen = self.best_child[:, levels, : frontier.shape[1]]
         mean = seen[0] / seen[1]  # [W]: a best child's confidence, by rank
         child = np.minimum(self.ratio(levels + 1, mean) * mean, 1.0)  # [W]: its value
-        gains = (frontier * child).cumsum(1).mean(0)  # [W]: the first w expanded
+        gains = (frontier * child).cumsum(1).sum(0) / rows  # [W]: the first w expanded
         # option 0: stop here; option w: one more level, w nodes wide, whose cost is linear
         # in w (draft_cost: priced at the two ends)
         options = np.arange(len(gains) + 1)
@@ -644,7 +651,7 @@ class Policy:
         )
         draft = one + (wide - one) * (options - 1) / max(self.spec.topk - 1, 1)
         draft[0] = now
-        rates, _ = self._best_rates(sums, draft, options, np.r_[0.0, gains], rows)
+        rates, _ = self._best_rates(sums, draft, options, np.concatenate(([0.0], gains)), rows)
         choice = int(rates.argmax())  # ties: the narrowest, stopping first
         if choice:
             self.widths[:] = widths + [choice]
@@ -693,8 +700,10 @@ class Policy:
         if self.slots is not None and len(self.slots) == B and B > 1:
             f = np.array([self.request_factor(s) for s in self.slots])
             host = np.minimum(host * f[:, None], 1.0)
-        M = self.best(self.prefix_values(host), levels, rows=B)[1]
         top = _descending(host)[:, : self.spec.total - 1]
+        M = self.best(_batch_prefix(top), levels, rows=B)[1]
+        if B == 1:
+            return torch.full((1,), M, dtype=torch.long, device=values.device)
         # the M best of the batch; a stable sort takes, among equal values, a row's earlier
         # candidates first, so each row keeps a prefix of its own ranking
         pick = np.argsort(-top.ravel(), kind="stable")[:M]
@@ -743,7 +752,7 @@ class Policy:
         floor = PRIOR * (1 - DECAY)
         self.confidence += floor
         self.accepted += floor
-        tokens = float((_host(num_accepted).astype(np.float64) + 1).mean())
+        tokens = (int(_host(num_accepted).sum()) + B) / B  # mean tokens per request
         self.spec_steps = DECAY * self.spec_steps + 1.0
         self.spec_tokens = DECAY * self.spec_tokens + tokens
         self.spec_tokens_sq = DECAY * self.spec_tokens_sq + tokens * tokens
@@ -753,18 +762,40 @@ class Policy:
 
 def _host(t) -> np.ndarray:
     """A tensor's values as a float64 / int numpy array on the host (one transfer; a CPU
-    tensor's float64 or integer values are not copied). Arrays pass through."""
+    tensor's float64 or integer values are not copied). Arrays pass through. (The widening
+    runs in numpy: a torch op costs ~8 us a call, and the policy makes ~10 of these a step.)"""
     if isinstance(t, np.ndarray):
         return t
-    t = t.detach()
-    if t.is_floating_point() and t.dtype != torch.float64:
-        t = t.double()
-    return t.cpu().numpy()
+    if t.requires_grad:
+        t = t.detach()
+    host = t.cpu().numpy()
+    return host.astype(np.float64) if host.dtype.kind == "f" and host.dtype != np.float64 else host
 
 
-def _bands(confidence) -> np.ndarray:
-    """The CONFIDENCE_EDGES band of each confidence (array-like) -> int array."""
-    return np.searchsorted(CONFIDENCE_EDGES, np.asarray(confidence), side="right")
+def _bands(confidence):
+    """The CONFIDENCE_EDGES band of each confidence -> int array, or for a tensor a long
+    tensor on its device (the draft path's values stay where they are). Both compare in
+    float32, as the drafts' confidences are, so a node falls in the same band when it is
+    valued (node_value) as when it is learnt from (observe)."""
+    if isinstance(confidence, torch.Tensor):
+        return torch.searchsorted(_edges(confidence.device), confidence.float(), right=True)
+    return np.searchsorted(_EDGES32, np.asarray(confidence, dtype=np.float32), side="right")
+
+
+_EDGES32 = CONFIDENCE_EDGES.astype(np.float32)
+
+
+@functools.cache
+def _edges(device: torch.device) -> torch.Tensor:
+    """The float32 CONFIDENCE_EDGES on a device (made once per device)."""
+    return torch.from_numpy(_EDGES32).to(device)
+
+
+def _batch_prefix(top: np.ndarray) -> np.ndarray:
+    """top: each request's values [B, C], largest first -> the cumulative sum of the whole
+    batch's values, largest first, divided by B (prefix_values per request)."""
+    flat = top[0] if top.shape[0] == 1 else np.sort(top.ravel())[::-1]
+    return flat.cumsum() / top.shape[0]
 
 
 def _descending(values: np.ndarray) -> np.ndarray:

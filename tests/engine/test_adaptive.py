@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from specdec.adaptive import CALIBRATION_PRIOR, DECAY, MAX_PROBE, CostModel, Policy
+from specdec.adaptive import CALIBRATION_PRIOR, DECAY, MAX_PROBE, CostModel, Policy, _bands
 from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
 from specdec.engine import Engine
@@ -203,6 +203,30 @@ def test_policy_calibrates_each_confidence_band():
     assert values[0, 0] > 0.9 and values[0, 1] < 0.1
     assert p.ratio(1, 0.5) > 1.5 and p.ratio(1, 0.3) < 0.3
     assert p.size(values, 1) == 1
+
+
+def test_a_node_is_valued_in_the_band_it_is_learnt_in():
+    """A draft's confidence is float32; one at an edge's float32 value (0.35 rounds down to
+    0.34999999) must fall in the same band when node_value values it (a tensor) as when
+    observe learns from it (on the host, in float64). Here it is always accepted: once learnt,
+    its value is ~0.9, not the untouched neighbouring band's 0.35."""
+    edge = torch.tensor(0.35, dtype=torch.float32)
+    near = torch.stack([edge, edge.nextafter(torch.tensor(0.0)), edge.nextafter(torch.tensor(1.0))])
+    assert torch.equal(_bands(near), torch.from_numpy(_bands(near.double().numpy())))
+    p = Policy(CostModel(1, [1, 2, 4, 10], [1.0, 1.1, 1.3, 1.9], [0.02, 0.04, 0.06, 0.08]), SPEC)
+    d = type(
+        "D",
+        (),
+        dict(
+            tokens=torch.tensor([[5, 6]]),
+            parents=torch.tensor([[-1, 0]], dtype=torch.int32),
+            num_nodes=torch.tensor([2], dtype=torch.int32),
+            confidence=torch.tensor([[1.0, float(edge)]]),
+        ),
+    )()
+    for _ in range(60):
+        p.observe(d, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), torch.tensor([1]))
+    assert p.node_value(None, edge.log()[None, None], depth=1)[0, 0] > 0.7
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
