@@ -768,8 +768,10 @@ def _host(t) -> np.ndarray:
         return t
     if t.requires_grad:
         t = t.detach()
+    if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
+        t = t.double()  # bfloat16 and the like: numpy has no such dtype
     host = t.cpu().numpy()
-    return host.astype(np.float64) if host.dtype.kind == "f" and host.dtype != np.float64 else host
+    return host.astype(np.float64) if host.dtype == np.float32 else host
 
 
 def _bands(confidence):

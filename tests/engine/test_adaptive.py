@@ -142,6 +142,16 @@ def test_policy_sizes_the_tree_by_value_over_cost():
     assert (kids <= v[..., None]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_policy_takes_values_in_any_float_dtype(dtype):
+    """Values from a drafter that keeps them in bf16 (numpy has no bf16) size the tree as
+    the same numbers in float32 do."""
+    values = torch.tensor([[0.875, 0.25, 0.0625], [0.5, 0.125, 0.03125]])  # exact in bf16
+    p, q = Policy(CHEAP_VERIFY, SPEC), Policy(CHEAP_VERIFY, SPEC)
+    assert torch.equal(p.sizes(values.to(dtype), 1), q.sizes(values, 1))
+    assert (p.prefix_values(values.to(dtype)) == q.prefix_values(values)).all()
+
+
 def test_policy_learns_acceptance_and_falls_back_with_probes():
     """A head that is confident but never right: the ratio drops, the steps go plain, and a
     probe step comes at least every MAX_PROBE steps."""
