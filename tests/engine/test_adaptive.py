@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdec.adaptive import CALIBRATION_PRIOR, DECAY, MAX_PROBE, CostModel, Policy, _bands
+from specdec.drafters.base import Proposal
 from specdec.drafting import TreeSpec
 from specdec.eagle import EagleHead
 from specdec.engine import Engine
@@ -26,6 +27,19 @@ SPEC = TreeSpec.parse("adaptive:4,3,10")
 CHEAP_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 1.01, 1.02, 1.05], [0.02, 0.04, 0.06, 0.08])
 # every drafted node costs as much as a whole forward: speculation never pays
 DEAR_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 2.0, 4.0, 10.0], [0.5, 1.0, 1.5, 2.0])
+
+
+def drafted(parents: list, confidence: list) -> Proposal:
+    """One step's draft trees as Policy.observe reads them: parents [B][T] (every node
+    real), confidence [B][T] (the root's 1); the tokens do not matter to the policy."""
+    B, T = len(parents), len(parents[0])
+    return Proposal(
+        torch.full((B, T), 5),
+        torch.tensor(parents, dtype=torch.int32),
+        torch.full((B,), T, dtype=torch.int32),
+        None,
+        torch.tensor(confidence),
+    )
 
 
 def test_cost_model_interpolates_and_extrapolates():
@@ -156,17 +170,7 @@ def test_policy_learns_acceptance_and_falls_back_with_probes():
     """A head that is confident but never right: the ratio drops, the steps go plain, and a
     probe step comes at least every MAX_PROBE steps."""
     p = Policy(CHEAP_VERIFY, SPEC)
-    tokens = torch.tensor([[5, 6, 7]])
-    d = type(
-        "D",
-        (),
-        dict(
-            tokens=tokens,
-            parents=torch.tensor([[-1, 0, 1]], dtype=torch.int32),
-            num_nodes=torch.tensor([3], dtype=torch.int32),
-            confidence=torch.tensor([[1.0, 0.9, 0.9]]),
-        ),
-    )()
+    d = drafted([[-1, 0, 1]], [[1.0, 0.9, 0.9]])
     depth = torch.tensor([[0, 1, 2]])
     rejected = torch.tensor([[0, -1, -1]]), torch.tensor([0])
     assert p.speculate()  # no evidence yet
@@ -193,16 +197,7 @@ def test_policy_calibrates_each_confidence_band():
     here: accepted 1 a step over confidence 0.8) would value the runner-up at 0.37, worth its
     10% more verify time."""
     p = Policy(CostModel(1, [1, 2, 4, 10], [1.0, 1.1, 1.3, 1.9], [0.02, 0.04, 0.06, 0.08]), SPEC)
-    d = type(
-        "D",
-        (),
-        dict(
-            tokens=torch.tensor([[5, 6, 7]]),
-            parents=torch.tensor([[-1, 0, 0]], dtype=torch.int32),
-            num_nodes=torch.tensor([3], dtype=torch.int32),
-            confidence=torch.tensor([[1.0, 0.5, 0.3]]),
-        ),
-    )()
+    d = drafted([[-1, 0, 0]], [[1.0, 0.5, 0.3]])
     depth = torch.tensor([[0, 1, 1]])
     first_child_accepted = torch.tensor([[0, 1, -1]]), torch.tensor([1])
     children = torch.tensor([[0.5, 0.3]]).log()
@@ -224,16 +219,7 @@ def test_a_node_is_valued_in_the_band_it_is_learnt_in():
     near = torch.stack([edge, edge.nextafter(torch.tensor(0.0)), edge.nextafter(torch.tensor(1.0))])
     assert torch.equal(_bands(near), torch.from_numpy(_bands(near.double().numpy())))
     p = Policy(CostModel(1, [1, 2, 4, 10], [1.0, 1.1, 1.3, 1.9], [0.02, 0.04, 0.06, 0.08]), SPEC)
-    d = type(
-        "D",
-        (),
-        dict(
-            tokens=torch.tensor([[5, 6]]),
-            parents=torch.tensor([[-1, 0]], dtype=torch.int32),
-            num_nodes=torch.tensor([2], dtype=torch.int32),
-            confidence=torch.tensor([[1.0, float(edge)]]),
-        ),
-    )()
+    d = drafted([[-1, 0]], [[1.0, float(edge)]])
     for _ in range(60):
         p.observe(d, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), torch.tensor([1]))
     assert p.node_value(None, edge.log()[None, None], depth=1)[0, 0] > 0.7
@@ -311,16 +297,7 @@ def test_measure_covers_smaller_batch_sizes():
 def _half_accepted_chain(p: Policy, steps: int, before_step=None) -> None:
     """`steps` speculative steps of 2-node chains whose draft is accepted every other step;
     before_step(i), if given, runs before step i."""
-    d = type(
-        "D",
-        (),
-        dict(
-            tokens=torch.tensor([[5, 6]]),
-            parents=torch.tensor([[-1, 0]], dtype=torch.int32),
-            num_nodes=torch.tensor([2], dtype=torch.int32),
-            confidence=torch.tensor([[1.0, 0.5]]),
-        ),
-    )()
+    d = drafted([[-1, 0]], [[1.0, 0.5]])
     for i in range(steps):
         if before_step is not None:
             before_step(i)
@@ -413,16 +390,7 @@ def test_policy_learns_each_requests_record():
     alone cannot tell them apart); a new request in the slot starts afresh."""
     p = Policy(PER_NODE, SPEC)
     p.batch, p.slots = 2, [0, 1]
-    d = type(
-        "D",
-        (),
-        dict(
-            tokens=torch.tensor([[5, 6, 7], [5, 6, 7]]),
-            parents=torch.tensor([[-1, 0, 1]] * 2, dtype=torch.int32),
-            num_nodes=torch.tensor([3, 3], dtype=torch.int32),
-            confidence=torch.tensor([[1.0, 0.6, 0.6]] * 2),
-        ),
-    )()
+    d = drafted([[-1, 0, 1]] * 2, [[1.0, 0.6, 0.6]] * 2)
     depth = torch.tensor([[0, 1, 2]] * 2)
     # slot 0: both drafts accepted; slot 1: the first rejected
     accepted = torch.tensor([[0, 1, 2], [0, -1, -1]]), torch.tensor([2, 0])
@@ -437,8 +405,7 @@ def test_policy_learns_each_requests_record():
     p.start([1])
     assert p.request_factor(1) == 1.0
     # a lone request keeps no record: with no batch-mates there is nothing to tell apart
-    fields = ("tokens", "parents", "num_nodes", "confidence")
-    lone = type("D", (), {k: getattr(d, k)[:1] for k in fields})()
+    lone = drafted([[-1, 0, 1]], [[1.0, 0.6, 0.6]])
     p.observe(lone, depth[:1], accepted[0][:1], accepted[1][:1], slots=[1])
     assert 1 not in p.request_stats
 
@@ -474,16 +441,7 @@ def simulate(policy, confidence, accepts, steps: int):
         n = int(policy.sizes(v, 1)[0])
         sizes.append(n)
         ok = n > 0 and accepts(i)
-        d = type(
-            "D",
-            (),
-            dict(
-                tokens=torch.tensor([[5, 6]])[:, : n + 1],
-                parents=torch.tensor([[-1, 0]], dtype=torch.int32)[:, : n + 1],
-                num_nodes=torch.tensor([n + 1], dtype=torch.int32),
-                confidence=torch.tensor([[1.0, c]])[:, : n + 1],
-            ),
-        )()
+        d = drafted([[-1, 0][: n + 1]], [[1.0, c][: n + 1]])
         policy.observe(
             d,
             torch.tensor([[0, 1]])[:, : n + 1],
