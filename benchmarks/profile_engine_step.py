@@ -80,6 +80,7 @@ TIMED = (
             "observe",
             "observe_time",
             "observe_level",
+            "observe_verify",
         )
     ]
 )
