@@ -27,6 +27,8 @@ SPEC = TreeSpec.parse("adaptive:4,3,10")
 CHEAP_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 1.01, 1.02, 1.05], [0.02, 0.04, 0.06, 0.08])
 # every drafted node costs as much as a whole forward: speculation never pays
 DEAR_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 2.0, 4.0, 10.0], [0.5, 1.0, 1.5, 2.0])
+# the start-up timed bigger trees dear (noise, or a loop unlike the steps)
+STEEP_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 1.3, 1.9, 3.7], [0.02, 0.04, 0.06, 0.08])
 
 
 def drafted(parents: list, confidence: list) -> Proposal:
@@ -154,6 +156,30 @@ def test_policy_sizes_the_tree_by_value_over_cost():
     # children values are bounded by their parent's
     kids = cheap.node_value(v, torch.full((1, 3, 3), 0.5).log(), depth=2)
     assert (kids <= v[..., None]).all()
+
+
+def test_sizes_after_a_stop_is_the_stop_options_size():
+    """At batch 1, sizes() after expand_width chose to stop reuses that choice's "stop here"
+    size: the same as computing it afresh, for any values and costs."""
+    g = torch.Generator().manual_seed(0)
+    stops = 0
+    for cost in (CHEAP_VERIFY, DEAR_VERIFY, STEEP_VERIFY, WIDTH_PRICED):
+        for _ in range(40):
+            p = Policy(cost, SPEC)
+            p.new_step([0])
+            values = torch.rand(1, 3, generator=g) ** 2
+            if p.expand_width(1, values, values) == 0:
+                stops += 1
+                assert p._stopped is not None
+                reused = p.sizes(values, 1)
+                p._stopped = None
+                assert torch.equal(reused, p.sizes(values, 1))
+                other = values * 0.5  # other values: computed, not reused
+                p.expand_width(1, values, values)
+                q = Policy(cost, SPEC)
+                q.new_step([0])
+                assert torch.equal(p.sizes(other, 1), q.sizes(other, 1))
+    assert stops >= 20
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -506,10 +532,6 @@ def test_policy_prices_rule_one_by_measured_step_times():
     q.observe_time(1000.0 * predicted, True, 1, 2)
     prior = DECAY * CALIBRATION_PRIOR
     assert q.calibration(True) == pytest.approx((prior + 2.0) / (prior + 1.0))
-
-
-# the start-up timed bigger trees dear (noise, or a loop unlike the steps)
-STEEP_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 1.3, 1.9, 3.7], [0.02, 0.04, 0.06, 0.08])
 
 
 def test_policy_prices_verify_sizes_by_their_measured_time():
