@@ -80,7 +80,6 @@ TIMED = (
             "observe",
             "observe_time",
             "observe_level",
-            "observe_verify",
         )
     ]
 )

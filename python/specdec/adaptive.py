@@ -97,12 +97,6 @@ CALIBRATION_PRIOR, CALIBRATION_CLIP = 4.0, (0.5, 2.0)
 # draft levels in the steps against the cost model's (Policy.observe_level): one level's ratio
 # is clipped wider than a step's, cold caches more than double a small level's time
 LEVEL_CLIP = (0.25, 4.0)
-# verify forwards between re-pricings of rules 2 and 3's verify curve (observe_verify): the
-# curve's envelope costs ~0.1 ms to compute, a step's choices ~0.5 ms in all
-VERIFY_REPRICE = 8
-# pseudo-steps at the all-sizes ratio behind each tree size's own: one, as a size verified in
-# a quarter of the steps has ~8 steps' weight at DECAY
-SIZE_PRIOR = 1.0
 
 
 @dataclass
@@ -388,17 +382,9 @@ class Policy:
         # CALIBRATION_PRIOR pseudo-steps at 1; the mean scales the kind's costs in rule 1
         self.step_ratios = {kind: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for kind in (False, True)}
         self.level_ratios = [CALIBRATION_PRIOR, CALIBRATION_PRIOR]  # the same for draft levels
-        # the same for the verify forwards of all sizes, and per tree size T (index T - 1):
-        # [0] the decayed sum of measured / predicted seconds, [1] its decayed weight. Rules 2
-        # and 3 price size T at its own ratio, shrunk towards the all-sizes one (observe_verify)
-        self.verify_ratios = [CALIBRATION_PRIOR, CALIBRATION_PRIOR]
-        self.size_ratios = np.zeros((2, spec.total))
-        self._verify_seen = 0  # verify forwards observed since the curves were last priced
         # per batch size, from the cost model: verify(1 .. TOTAL) and the draft levels' costs
-        self._costs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._costs_of: CostModel | None = None
-        # ... and as rules 2 and 3 price them: the verify curve calibrated, and its slopes
         self._curves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._curves_of: CostModel | None = None
         # the widths this step's levels past the first were drafted at (expand_width)
         self.widths: list[int] = []
         # batch 1: (levels, the values, n) when expand_width last chose to stop: its "stop
@@ -525,73 +511,23 @@ class Policy:
             return values.cumsum(1).sum(0) / values.shape[0]  # (np.mean's own overhead: ~8 us)
         return _batch_prefix(values[:, : self.spec.total - 1])
 
-    def _costs_at(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The cost model's (verify(T) at T = 1 .. TOTAL, draft(l), draft_narrow(l) at
-        l = 1 .. DEPTH + 1) at this batch, once per batch size (the model is fixed once
-        measured)."""
-        if self._costs_of is not self.cost:  # a new cost model: forget the old costs
-            self._costs, self._curves, self._costs_of = {}, {}, self.cost
-        costs = self._costs.get(batch)
-        if costs is None:
-            levels = range(1, self.spec.depth + 2)
-            costs = self._costs[batch] = (
-                np.array([self.cost.verify(T, batch) for T in range(1, self.spec.total + 1)]),
-                np.array([self.cost.draft(lv, batch) for lv in levels]),
-                np.array([self.cost.draft_narrow(lv, batch) for lv in levels]),
-            )
-        return costs
-
     def _curves_at(self, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """_costs_at with the verify curve as the steps measured it (verify_factors, then
-        cost_curve's envelope), and its slopes verify(T + 1) - verify(T) at T = 1 .. TOTAL
-        (0 at TOTAL: nothing is larger); re-priced every VERIFY_REPRICE verify forwards."""
-        costs = self._costs_at(batch)
+        """(verify(T) at T = 1 .. TOTAL, draft(l), draft_narrow(l) at l = 1 .. DEPTH + 1,
+        verify(T + 1) - verify(T) at T = 1 .. TOTAL (0 at TOTAL: nothing is larger)) at this
+        batch, computed once per batch size (the cost model is fixed once measured)."""
+        if self._curves_of is not self.cost:  # a new cost model: forget the old curves
+            self._curves, self._curves_of = {}, self.cost
         curves = self._curves.get(batch)
         if curves is None:
-            verify, full, narrow = costs
-            if self.size_ratios[1].any():  # measured in the steps (each size a noisy ratio)
-                sizes = list(range(1, self.spec.total + 1))
-                verify = np.array(cost_curve(sizes, (verify * self.verify_factors()).tolist()))
-            curves = self._curves[batch] = (verify, full, narrow, np.append(np.diff(verify), 0.0))
+            levels = range(1, self.spec.depth + 2)
+            verify = np.array([self.cost.verify(T, batch) for T in range(1, self.spec.total + 1)])
+            curves = self._curves[batch] = (
+                verify,
+                np.array([self.cost.draft(lv, batch) for lv in levels]),
+                np.array([self.cost.draft_narrow(lv, batch) for lv in levels]),
+                np.append(np.diff(verify), 0.0),
+            )
         return curves
-
-    def verify_factors(self) -> np.ndarray:
-        """[TOTAL]: measured over predicted seconds of a verify forward of T = 1 .. TOTAL
-        nodes per request: each size's own decayed ratio with SIZE_PRIOR pseudo-steps at
-        the all-sizes ratio (a size seldom verified is priced as the sizes were
-        measured on the whole, not as the start-up timed it)."""
-        ratios, weight = self.verify_ratios
-        sums, weights = self.size_ratios
-        return (SIZE_PRIOR * ratios / weight + sums) / (SIZE_PRIOR + weights)
-
-    def observe_verify(self, seconds: float, nodes: float, device=None) -> None:
-        """A step's target forward over trees of `nodes` nodes per request (mean) took
-        `seconds` (the engine times it, mask included). The start-up timed each size once,
-        in a loop, one size after the other; its noise moved the chosen trees (and the
-        speed, 71-80 tok/s on one machine: RESULTS.md, session 19), while the steps time
-        the sizes they verify hundreds of times. A mean size between whole ones counts for
-        both, by its distance to each."""
-        if not self.calibrate:
-            return
-        if agree_time is not None:  # tensor parallel: every rank prices the sizes alike
-            seconds = agree_time(seconds, device)
-        predicted = self.cost.verify(nodes, self.batch)
-        if not predicted > 0 or not seconds >= 0 or not 1 <= nodes <= self.spec.total:
-            return
-        lo, hi = CALIBRATION_CLIP
-        ratio = min(max(seconds / predicted, lo), hi)
-        st = self.verify_ratios
-        st[0] = DECAY * st[0] + ratio
-        st[1] = DECAY * st[1] + 1.0
-        self.size_ratios *= DECAY
-        size = int(nodes)
-        share = nodes - size  # of size + 1
-        self.size_ratios[:, size - 1] += ((1.0 - share) * ratio, 1.0 - share)
-        if share > 0:
-            self.size_ratios[:, size] += (share * ratio, share)
-        self._verify_seen += 1
-        if self._verify_seen >= VERIFY_REPRICE:
-            self._curves, self._verify_seen = {}, 0
 
     def draft_cost(self, levels: int, widths: list | None = None) -> float:
         """Seconds of drafting `levels` levels at the live occupancy, level l >= 2 expanding

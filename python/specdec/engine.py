@@ -183,10 +183,10 @@ class Engine:
     "dynamic:5,8,32", "adaptive"); batch_size: requests decoded together; max_seq_len: cache
     positions per request (prompt + generated); cost_model: adaptive mode's costs (default:
     measured here, which takes a few forwards; pass one to make the choices reproducible);
-    calibrate: adaptive mode scales the costs by each step's measured times (the whole step,
-    its draft levels and its target forward: Policy.observe_time / observe_level /
-    observe_verify; default: when the cost model is measured here, so that a passed one keeps
-    the choices independent of timing; True to calibrate a reused cost model);
+    calibrate: adaptive mode scales the costs by each step's measured times (the whole step and
+    its draft levels: Policy.observe_time / observe_level; default: when the cost model is
+    measured here, so that a passed one keeps the choices independent of timing; True to
+    calibrate a reused cost model);
     sampler: tree_rejection_sample's stand-in, same arguments and outputs (default: the op;
     tensor parallelism passes tp.BroadcastSampler: rank 0 samples, every rank gets its result).
 
@@ -626,13 +626,11 @@ class Engine:
             # (a host check on CPU, ~5 us, against ~50 us of masking when every tree fits)
             if self.device.type != "cpu" or int(room.min()) < d.tokens.shape[1]:
                 d = d.truncate(room)
-        verify_start = time.perf_counter()
-        with timed(self.device, "verify", all_stats):  # (synchronised on CUDA)
+        with timed(self.device, "verify", all_stats):
             tree_mask, depth = ops.build_tree_mask(d.parents, d.num_nodes)
             out = self.model(
                 d.tokens, self.cache, slots, d.num_nodes, tree_mask, depth, self.feature_layers
             )
-        verify_s = time.perf_counter() - verify_start
         with timed(self.device, "sample", all_stats):
             accepted_nodes, num_accepted, output_tokens = self._sample(
                 sampling, out.logits, d, seqs
@@ -692,7 +690,6 @@ class Engine:
             if adaptive.agree_time is not None:  # tensor parallel: every rank decides alike
                 seconds = adaptive.agree_time(seconds, self.device)
             self.policy.observe_time(seconds, speculative, self.policy.levels, nodes)
-            self.policy.observe_verify(verify_s, nodes, self.device)
         return output_tokens, num_accepted
 
     # ------------------------------------------------------------------ helpers

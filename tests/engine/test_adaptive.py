@@ -534,46 +534,12 @@ def test_policy_prices_rule_one_by_measured_step_times():
     assert q.calibration(True) == pytest.approx((prior + 2.0) / (prior + 1.0))
 
 
-def test_policy_prices_verify_sizes_by_their_measured_time():
-    """The start-up priced 2-4 node forwards 1.3-1.9 s, the steps measure every size at 1 s:
-    rules 2 and 3 follow the steps (a 4-node tree instead of 2), a size never measured is
-    priced at the all-sizes ratio, a mean size between whole ones counts for both, one
-    stalled forward moves a ratio by a bounded amount, and calibrate=False ignores them."""
-    values = torch.tensor([[0.6, 0.3, 0.2]])
-    p = Policy(STEEP_VERIFY, SPEC)
-    p.new_step([0])
-    assert p.size(values, 1) == 1  # 1.6 tokens / 1.32 s beats 1.9 / 1.62 and 2.1 / 1.92
-    for _ in range(100):
-        for nodes in (1, 2, 3, 4):
-            p.observe_verify(1.0, nodes)
-    factors = p.verify_factors()
-    expected = [1.0, 1 / 1.3, 1 / 1.6, 1 / 1.9]
-    assert factors[:4] == pytest.approx(expected, rel=0.05)  # (shrunk towards all-sizes)
-    all_sizes = p.verify_ratios[0] / p.verify_ratios[1]
-    assert all_sizes == pytest.approx(sum(expected) / 4, rel=0.02)
-    assert factors[4:] == pytest.approx([all_sizes] * 6)  # never measured
-    p.new_step([0])
-    assert p.size(values, 1) == 3  # 2.1 tokens / ~1.02 s
-    assert p._curves_at(1)[0][:4] == pytest.approx([1.0] * 4, rel=0.05)
-    # 2.5 nodes per request (batch > 1): half an observation of each neighbour
-    q = Policy(STEEP_VERIFY, SPEC)
-    q.observe_verify(STEEP_VERIFY.verify(2.5) * 1.5, 2.5)
-    assert q.size_ratios[:, 1] == pytest.approx([0.75, 0.5])
-    assert q.size_ratios[:, 2] == pytest.approx([0.75, 0.5])
-    q.observe_verify(1000.0, 1)  # clipped: counts as 2x
-    assert q.size_ratios[0, 0] == pytest.approx(2.0)
-    off = Policy(STEEP_VERIFY, SPEC, calibrate=False)
-    off.observe_verify(1.0, 4)
-    assert off.verify_ratios == [CALIBRATION_PRIOR, CALIBRATION_PRIOR]
-    assert not off.size_ratios.any()
-
-
 def test_engine_reports_every_step_time(monkeypatch):
     """The engine times each verify step, whole, and tells the policy its kind and shape
     (by default when it measured the cost model itself); a policy told not to calibrate
     ignores its draft levels' times too."""
-    calls, levels, forwards = [], [], []
-    real, real_level, real_verify = Policy.observe_time, Policy.observe_level, Policy.observe_verify
+    calls, levels = [], []
+    real, real_level = Policy.observe_time, Policy.observe_level
 
     def record(self, seconds, speculative, levels, nodes):
         calls.append((seconds, speculative, levels, nodes))
@@ -583,17 +549,12 @@ def test_engine_reports_every_step_time(monkeypatch):
         real_level(self, *args)
         levels.append(self.level_ratios[1])
 
-    def record_verify(self, seconds, nodes, device=None):
-        forwards.append((seconds, nodes))
-        real_verify(self, seconds, nodes, device)
-
     monkeypatch.setattr(Policy, "observe_time", record)
     monkeypatch.setattr(Policy, "observe_level", record_level)
-    monkeypatch.setattr(Policy, "observe_verify", record_verify)
     model = tiny_model()
     # a cost model passed in: its choices stay reproducible, nothing is measured
     run(model, oracle_head(model), "adaptive:4,3,10", 1, cost_model=CHEAP_VERIFY)
-    assert calls == [] and forwards == []
+    assert calls == []
     assert levels and set(levels) == {CALIBRATION_PRIOR}  # levels timed, not counted
     levels.clear()
     _, stats = run(
@@ -604,9 +565,6 @@ def test_engine_reports_every_step_time(monkeypatch):
     assert all((lv >= 1) == spec for _, spec, lv, _ in calls)
     assert any(spec and n > 1 for _, spec, _, n in calls)
     assert levels and levels[-1] != CALIBRATION_PRIOR  # calibrating: the levels count
-    # the forward alone, within its step, at the step's tree size
-    assert [n for _, n in forwards] == [n for _, _, _, n in calls]
-    assert all(0 < f < s for (f, _), (s, _, _, _) in zip(forwards, calls))
 
 
 def test_measured_costs_are_priced_by_their_lower_convex_envelope():
