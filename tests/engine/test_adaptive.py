@@ -1,6 +1,7 @@
 """Adaptive speculation: the cost model, the policy's choices, and exactness in the engine
 (greedy == plain token for token; sampled follows the target's distribution)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -180,6 +181,29 @@ def test_sizes_after_a_stop_is_the_stop_options_size():
                 q.new_step([0])
                 assert torch.equal(p.sizes(other, 1), q.sizes(other, 1))
     assert stops >= 20
+
+
+def test_local_values_on_the_host_are_node_values():
+    """Policy.local_values (numpy, any depths in one call) gives node_value's float32 values
+    bitwise, with learnt ratios per depth and band (confidences at band edges included); a
+    depth past the statistics' takes the deepest."""
+    g = torch.Generator().manual_seed(1)
+    p = Policy(CHEAP_VERIFY, SPEC)
+    p.accepted = torch.rand(p.accepted.shape, generator=g, dtype=torch.float64).numpy() * 3
+    p.confidence = torch.rand(p.confidence.shape, generator=g, dtype=torch.float64).numpy() + 1
+    edges = torch.tensor([0.05, 0.15, 0.35, 0.65, 1.0])
+    logprob = torch.cat((torch.rand(1, 60, generator=g), edges[None]), 1).log()
+    conf = logprob.float().exp()
+    for d in range(1, SPEC.depth + 1):
+        want = p.node_value(None, logprob, depth=d)
+        got = p.local_values(conf.numpy(), np.full(conf.shape, d))
+        assert got.dtype == np.float32 and torch.equal(torch.from_numpy(got), want)
+    depths = torch.randint(1, SPEC.depth + 3, conf.shape, generator=g).numpy()
+    mixed = p.local_values(conf.numpy(), depths)
+    for d in range(1, SPEC.depth + 3):
+        at = depths == d
+        want = p.node_value(None, logprob, depth=min(d, SPEC.depth)).numpy()[at]
+        assert (mixed[at] == want).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])

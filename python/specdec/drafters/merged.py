@@ -168,8 +168,9 @@ class MergedDrafter(Drafter):
                 for node, m in origin[part].items()
                 if m > 0
             )
-            for m, c in estimates:
-                v = value[par[m]] * self._local(policy, c, depth[m])
+            local = policy.local_values([c for _, c in estimates], [depth[m] for m, _ in estimates])
+            for (m, c), p in zip(estimates, local.tolist()):
+                v = value[par[m]] * p
                 if v > value[m]:  # a shared node: the more confident part's estimate
                     value[m], conf[m] = v, c
             merged.append((tok, par, value, conf))
@@ -196,13 +197,6 @@ class MergedDrafter(Drafter):
                 )
             )
         return self._proposal(rows, roots, policy)
-
-    @staticmethod
-    def _local(policy, confidence: float, depth: int) -> float:
-        """The policy's P(accepted | parent accepted) of a node of this confidence and depth
-        (depth beyond the policy's statistics: the deepest it has)."""
-        d = min(depth, policy.spec.depth)
-        return float(policy.node_value(None, torch.tensor([confidence]).log(), depth=d)[0])
 
     def _proposal(self, rows, roots, policy) -> Proposal:
         """rows: per request (tokens, parents, confidences or None) -> the padded Proposal."""

@@ -167,9 +167,8 @@ class NgramDrafter(Drafter):
             conf[b, : len(row[0])] = torch.tensor(self.confidences(row, n))
             depth[b, : len(row[0])] = torch.tensor(row[2])
         local = torch.ones(B, C + 1)  # the policy's P(accepted | parent accepted), per node
-        for d in range(1, int(depth.max()) + 1):
-            at = depth == d
-            local[at] = policy.node_value(None, conf[at].log(), depth=d).float()
+        at = depth > 0  # (the root: 1)
+        local[at] = torch.from_numpy(policy.local_values(conf[at].numpy(), depth[at].numpy()))
         values = torch.full((B, C), -1.0)  # -1: padding, ranked last
         for b, (tok, par, _, _) in enumerate(rows):
             v = [1.0] * len(tok)
