@@ -12,6 +12,7 @@ import torch
 from test_adaptive import CHEAP_VERIFY
 
 from specdec.drafters import Drafter, NgramDrafter, PlainDrafter, Proposal
+from specdec.drafters.ngram import MAX_OCCURRENCES
 from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
 
@@ -35,6 +36,31 @@ def run_with(model, drafter, tree, batch_size, params=None, prompts=PROMPTS, **k
 
 
 # ---------------------------------------------------------------------- n-gram lookup
+def windowed_match(d, h):
+    """NgramDrafter.match's definition, n by n: a window comparison over the history."""
+    L = len(h)
+    for n in range(min(d.max_n, L - 1), d.min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(h[: L - 1], n)
+        starts = np.flatnonzero((windows == h[L - n :]).all(axis=1))
+        if len(starts):
+            return n, [h[i + n : i + n + d.depth].tolist() for i in starts[::-1][:MAX_OCCURRENCES]]
+    return 0, []
+
+
+@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 2), (1, 1), (5, 3)])
+def test_ngram_match_is_the_windowed_search(max_n, min_n):
+    """match() finds every n's occurrences in one pass; the same n and continuations as a
+    window comparison per n, on random histories of 1-300 tokens over 2-12 token ids (many
+    repeats, matches at the very start, runs of one token)."""
+    g = np.random.default_rng(max_n * 10 + min_n)
+    d = NgramDrafter(max_n, min_n)
+    d.depth = 3
+    for _ in range(400):
+        h = g.integers(0, int(g.integers(2, 13)), size=int(g.integers(1, 301)))
+        assert d.match(h) == windowed_match(d, h)
+    assert d.match(np.array([7, 7, 7, 7, 7, 7])) == windowed_match(d, np.array([7] * 6))
+
+
 def test_ngram_continuations_and_trie():
     d = NgramDrafter(max_n=3, min_n=1)
     d.depth, d.branches, d.total = 3, 2, 6
