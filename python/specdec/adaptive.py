@@ -503,14 +503,15 @@ class Policy:
         their trees on the host (n-gram lookup, merged trees): a node_value call per node cost
         ~33 us, 14 of them a step for eagle+ngram (RESULTS.md, session 20)."""
         conf = np.asarray(confidence, dtype=np.float32)
-        d = np.minimum(np.asarray(depth, dtype=np.int64), self.spec.depth) - 1
-        ratios = (self.accepted / self.confidence).astype(np.float32)
-        return np.minimum(ratios[d, _bands(conf)] * conf, np.float32(1.0))
+        ratio = self.ratio(np.minimum(np.asarray(depth, dtype=np.int64), self.spec.depth), conf)
+        return np.minimum(ratio.astype(np.float32) * conf, np.float32(1.0))
 
-    def ratio(self, depth: int, confidence) -> np.ndarray:
-        """Accepted over predicted for draft nodes at `depth` >= 1 of these confidences (any
-        shape; the learnt calibration node_value applies)."""
-        return (self.accepted[depth - 1] / self.confidence[depth - 1])[_bands(confidence)]
+    def ratio(self, depth, confidence) -> np.ndarray:
+        """Accepted over predicted for draft nodes at `depth` >= 1 (an int, or ints of
+        confidence's shape) of these confidences (any shape; the learnt calibration
+        node_value applies)."""
+        at = np.asarray(depth) - 1, _bands(confidence)
+        return self.accepted[at] / self.confidence[at]
 
     def prefix_values(self, values) -> np.ndarray:
         """Candidate values [B, C] (tensor or array) -> [s_1, s_2, ...]: expected accepted
