@@ -97,6 +97,12 @@ CALIBRATION_PRIOR, CALIBRATION_CLIP = 4.0, (0.5, 2.0)
 # draft levels in the steps against the cost model's (Policy.observe_level): one level's ratio
 # is clipped wider than a step's, cold caches more than double a small level's time
 LEVEL_CLIP = (0.25, 4.0)
+# the cost model times every tree size up to this one, powers of two past it: small trees
+# are where a CPU decides, and its verify cost is flat up to the rows one pass over the
+# weights serves, then steep (Zen 3, one thread: 3 nodes cost what 2 do, each node from the
+# 4th ~+25%); interpolated between 2 and 4, a 3-node tree was priced ~2.3 ms (14%) too dear
+# and adaptive mode verified 2 nodes where 3 paid (benchmarks/RESULTS.md, session 21)
+EVERY_SIZE_UP_TO = 8
 
 
 @dataclass
@@ -191,7 +197,8 @@ class CostModel:
     def _measure_one(
         cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3
     ) -> "CostModel":
-        """Times the target over trees of 1, 2, 4, ... spec.total nodes and the drafter over
+        """Times the target over trees of 1, 2, 3, ... EVERY_SIZE_UP_TO, then 16, 32, ...
+        spec.total nodes and the drafter over
         1 .. spec.depth levels, at batch_size requests of `context` cached tokens (scratch
         caches; the cache contents do not change the time). Sizes whose verify costs more
         than depth + 1 plain steps can never pay (a step yields at most depth + 1 tokens), so
@@ -203,7 +210,11 @@ class CostModel:
         cache = model.new_cache(B, context + spec.total)
         cache.cache_lens.fill_(context)
         feature_layers = head.feature_layers if head is not None else ()
-        sizes = sorted({1, spec.total} | {2**i for i in range(1, 12) if 2**i < spec.total})
+        sizes = sorted(
+            {spec.total}
+            | set(range(1, min(EVERY_SIZE_UP_TO, spec.total) + 1))
+            | {2**i for i in range(1, 12) if 2**i < spec.total}
+        )
         verify_s = []
         for T in sizes:
             tokens = torch.randint(0, model.args.vocab_size, (B, T), device=dev)

@@ -122,7 +122,7 @@ def test_cost_model_measure_times_every_size():
     once a tree costs more than depth + 1 plain steps), but always a prefix of the sizes."""
     model = tiny_model()
     cost = CostModel.measure(model, EagleHead.random(model, seed=0), SPEC, batch_size=2, repeats=1)
-    sizes = [1, 2, 4, 8, 10]
+    sizes = [1, 2, 3, 4, 5, 6, 7, 8, 10]  # every size up to EVERY_SIZE_UP_TO, then the total
     assert cost.verify_tokens == sizes[: len(cost.verify_tokens)] and cost.verify_tokens
     assert len(cost.verify_s) == len(cost.verify_tokens) and len(cost.draft_s) == SPEC.depth
     assert all(t > 0 for t in cost.verify_s + cost.draft_s)
@@ -130,7 +130,8 @@ def test_cost_model_measure_times_every_size():
 
 def test_cost_model_measure_stops_where_a_tree_cannot_pay(monkeypatch):
     """A fake clock (no wall-clock dependence): verify costs T seconds for T nodes, so the
-    sizes past depth + 1 = 4 plain steps are not measured, and verify() extrapolates."""
+    measuring stops at the first size dearer than depth + 1 = 5 plain steps (6 nodes), and
+    verify() extrapolates."""
     import specdec.adaptive as adaptive
 
     def fake_median_time(fn, repeats, device):
@@ -140,7 +141,8 @@ def test_cost_model_measure_stops_where_a_tree_cannot_pay(monkeypatch):
     monkeypatch.setattr(adaptive, "median_time", fake_median_time)
     model = tiny_model()
     cost = CostModel.measure(model, EagleHead.random(model, seed=0), SPEC, batch_size=2, repeats=1)
-    assert cost.verify_tokens == [1, 2, 4, 8] and cost.verify_s == [1.0, 2.0, 4.0, 8.0]
+    assert cost.verify_tokens == [1, 2, 3, 4, 5, 6]
+    assert cost.verify_s == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert cost.verify(10) == pytest.approx(10.0) and cost.draft_s == [0.5] * SPEC.depth
 
 

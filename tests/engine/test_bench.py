@@ -111,10 +111,10 @@ def test_quick_bench_json_fields_and_plots(models, tmp_path):
     assert all(set(v) == {"1", "2"} for v in result["sweep"].values())
     assert result["sweep"]["eagle_tree(dynamic:2,2,4)"]["2"]["num_requests"] == 2
     adaptive = greedy["eagle_adaptive"]
-    # the cost model measures tree sizes 1, 2, 4 in turn and may stop early when one is much
+    # the cost model measures tree sizes 1, 2, 3, 4 in turn and may stop early when one is much
     # dearer (a wall-clock decision: only the order is asserted, not where it stopped)
     measured = adaptive["cost_model"]["verify_tokens"]
-    assert measured and measured == [1, 2, 4][: len(measured)] and adaptive["startup_s"] > 0
+    assert measured and measured == [1, 2, 3, 4][: len(measured)] and adaptive["startup_s"] > 0
     hostile = result["hostile"]  # an untrained head: same greedy text, whatever it costs
     assert list(hostile) == ["plain", "eagle_chain2", "eagle_tree(dynamic:2,2,4)", "eagle_adaptive"]
     assert all(r["same_tokens_as_plain"] == 1.0 for r in hostile.values())
