@@ -422,7 +422,7 @@ class Policy:
         (0: a plain step) and trees of `nodes` nodes per request (the root included)."""
         return self.cost.draft(levels, self.batch) + self.cost.verify(nodes, self.batch)
 
-    def step_nodes(self, num_nodes: torch.Tensor, T: int) -> float:
+    def step_nodes(self, num_nodes: torch.Tensor | np.ndarray, T: int) -> float:
         """The tree size a step's verify cost is priced at: num_nodes int [B] of trees padded
         to T; per request the mean real size (the forward computes the real nodes only),
         else the padded T."""
@@ -494,7 +494,6 @@ class Policy:
         children: logprob [B, W, C] holds the C children of each of the W expanded nodes, in
         frontier order (grow_dynamic): each rank's best child's confidence is recorded for
         expand_width."""
-        ratios = self.accepted[depth - 1] / self.confidence[depth - 1]  # [NUM_BANDS]
         conf = logprob.float().exp()
         if children:
             top = _host(conf.amax(-1).mean(0))  # [W]: by the expanded node's rank
@@ -502,6 +501,7 @@ class Policy:
             seen *= DECAY
             seen[0] += top
             seen[1] += 1.0
+        ratios = self.accepted[depth - 1] / self.confidence[depth - 1]  # [NUM_BANDS]
         ratio = torch.from_numpy(ratios.astype(np.float32)).to(conf.device)
         local = (conf * ratio[_bands(conf)]).clamp(max=1.0)
         return local if parent_value is None else parent_value[..., None] * local
@@ -668,10 +668,8 @@ class Policy:
         # option 0: stop here; option w: one more level, w nodes wide, whose cost is linear
         # in w (draft_cost: priced at the two ends)
         options = np.arange(len(gains) + 1)
-        now, one, wide = (
-            self.draft_cost(lv, widths + [w])
-            for lv, w in ((levels, 0), (levels + 1, 1), (levels + 1, self.spec.topk))
-        )
+        now, factor = self.draft_cost(levels, widths), self.level_factor()
+        one, wide = (now + self._level_s(levels + 1, w) * factor for w in (1, self.spec.topk))
         draft = one + (wide - one) * (options - 1) / max(self.spec.topk - 1, 1)
         draft[0] = now
         rates, ns = self._best_rates(sums, draft, options, np.concatenate(([0.0], gains)), rows)
@@ -742,32 +740,39 @@ class Policy:
     # ------------------------------------------------------------------ learning
     def observe(self, d, depth, accepted_nodes, num_accepted, slots=None):
         """After a speculative step: d the Draft (with .confidence), depth [B, T] of its nodes,
-        accepted_nodes / num_accepted from tree_rejection_sample; slots: the rows' requests
-        (their own statistics, see request_factor)."""
+        accepted_nodes / num_accepted from tree_rejection_sample (the counts are what the
+        accepted paths say: only the paths are read); slots: the rows' requests (their own
+        statistics, see request_factor)."""
+        del num_accepted  # the path's length: one host transfer less
         B, T = d.tokens.shape
-        parents = _host(d.parents).astype(np.int64)
-        accepted = _host(accepted_nodes).astype(np.int64)
+        # (a step at batch 1 pays ~5 us per numpy call here, after the forward swept the
+        # caches: the int32 indices are used as they come, and the calls are few)
+        parents = _host(d.parents)
+        accepted = _host(accepted_nodes)
         num_nodes = _host(d.num_nodes)
         confidence = _host(d.confidence)
+        node_depth = _host(depth)
         rows = np.arange(B)[:, None]
         on_path = np.zeros((B, T + 1), dtype=bool)
         on_path[rows, np.where(accepted >= 0, accepted, T)] = True
         on_path = on_path[:, :T]
         valid = (np.arange(T)[None] < num_nodes[:, None]) & (parents >= 0)
         tried = valid & on_path[rows, np.maximum(parents, 0)]
-        node_depth = np.maximum(_host(depth).astype(np.int64) - 1, 0)  # depth 1 -> index 0
-        dep = node_depth[tried]
+        tried_conf = confidence[tried]
         D = self.spec.depth
-        # per depth, summed confidence and accepted count of the tried nodes
-        if dep.size and int(dep.max()) >= D:
-            raise IndexError(f"a draft node at depth {int(dep.max()) + 1} > the spec's {D}")
-        cell = dep * NUM_BANDS + _bands(confidence[tried])
-        conf = np.bincount(cell, weights=confidence[tried], minlength=D * NUM_BANDS)
+        # per depth (a tried node has a parent: depth >= 1), summed confidence and accepted
+        # count of the tried nodes
+        cell = (node_depth[tried] - 1) * NUM_BANDS + _bands(tried_conf)
+        conf = np.bincount(cell, weights=tried_conf, minlength=D * NUM_BANDS)
+        if conf.size > D * NUM_BANDS:
+            deepest = int(node_depth[tried].max())
+            raise IndexError(f"a draft node at depth {deepest} > the spec's {D}")
         acc = np.bincount(cell, weights=on_path[tried], minlength=D * NUM_BANDS)
         conf, acc = conf.reshape(D, NUM_BANDS), acc.reshape(D, NUM_BANDS)
         # per request: accepted vs predicted (before this update); a lone request has no
         # batch-mates to be told apart from, and sizes() uses the records only when B > 1
         if slots is not None and B > 1:
+            node_depth = np.maximum(node_depth - 1, 0)  # depth 1 -> index 0
             ratio = (self.accepted / self.confidence)[node_depth, _bands(confidence)]
             predicted = np.where(tried, np.minimum(ratio * confidence, 1.0), 0.0)
             hits = (on_path & tried).sum(1)
@@ -780,12 +785,12 @@ class Policy:
         floor = PRIOR * (1 - DECAY)
         self.confidence += floor
         self.accepted += floor
-        tokens = (int(_host(num_accepted).sum()) + B) / B  # mean tokens per request
+        tokens = int(on_path.sum()) / B  # mean tokens per request: the accepted path's nodes
         self.spec_steps = DECAY * self.spec_steps + 1.0
         self.spec_tokens = DECAY * self.spec_tokens + tokens
         self.spec_tokens_sq = DECAY * self.spec_tokens_sq + tokens * tokens
         self.spec_levels = DECAY * self.spec_levels + self.levels
-        self.spec_nodes = DECAY * self.spec_nodes + self.step_nodes(d.num_nodes, T)
+        self.spec_nodes = DECAY * self.spec_nodes + self.step_nodes(num_nodes, T)
 
 
 def _host(t) -> np.ndarray:

@@ -632,3 +632,18 @@ def test_cost_model_is_timed_as_generate_runs_steps(monkeypatch):
     model = tiny_model()
     Engine(model, head=oracle_head(model), tree="adaptive:2,2,4", max_seq_len=64)
     assert seen == [True] and "_unchanged_kinds" not in model.__dict__
+
+
+def test_observe_rejects_a_node_deeper_than_the_spec():
+    """A tried node past the spec's depth has no statistics to learn into: a clear error, not
+    a count in another depth's cells."""
+    p = Policy(CHEAP_VERIFY, SPEC)
+    T = SPEC.depth + 2  # a chain: its last node at depth SPEC.depth + 1
+    d = drafted([list(range(-1, T - 1))], [[1.0] + [0.9] * (T - 1)])
+    depth = torch.arange(T)[None]
+    path = torch.arange(T, dtype=torch.int32)[None]
+    with pytest.raises(IndexError, match="depth 5 > the spec's 4"):
+        p.observe(d, depth, path, torch.tensor([T - 1]))
+    within = drafted([list(range(-1, T - 2))], [[1.0] + [0.9] * (T - 2)])
+    p.observe(within, depth[:, :-1], path[:, :-1], torch.tensor([T - 2]))  # at the spec's depth
+    assert p.accepted[SPEC.depth - 1].sum() > p.confidence[SPEC.depth - 1].sum() > 0
