@@ -198,12 +198,11 @@ class CostModel:
         cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3
     ) -> "CostModel":
         """Times the target over trees of 1, 2, 3, ... EVERY_SIZE_UP_TO, then 16, 32, ...
-        spec.total nodes and the drafter over
-        1 .. spec.depth levels, at batch_size requests of `context` cached tokens (scratch
-        caches; the cache contents do not change the time). Sizes whose verify costs more
-        than depth + 1 plain steps can never pay (a step yields at most depth + 1 tokens), so
-        measuring stops there and verify() extrapolates. head None: a drafter that costs no
-        model call (n-gram lookup), draft_s is all zeros."""
+        spec.total nodes and the drafter over 1 .. spec.depth levels, at batch_size requests
+        of `context` cached tokens (scratch caches; the cache contents do not change the
+        time). Sizes whose verify costs more than depth + 1 plain steps can never pay (a step
+        yields at most depth + 1 tokens), so measuring stops there and verify() extrapolates.
+        head None: a drafter that costs no model call (n-gram lookup), draft_s is all zeros."""
         dev = model.tok_embeddings.weight.device
         B = batch_size
         slots = torch.arange(B, device=dev)
@@ -494,6 +493,7 @@ class Policy:
         children: logprob [B, W, C] holds the C children of each of the W expanded nodes, in
         frontier order (grow_dynamic): each rank's best child's confidence is recorded for
         expand_width."""
+        ratios = self.accepted[depth - 1] / self.confidence[depth - 1]  # [NUM_BANDS]
         conf = logprob.float().exp()
         if children:
             top = _host(conf.amax(-1).mean(0))  # [W]: by the expanded node's rank
@@ -501,7 +501,6 @@ class Policy:
             seen *= DECAY
             seen[0] += top
             seen[1] += 1.0
-        ratios = self.accepted[depth - 1] / self.confidence[depth - 1]  # [NUM_BANDS]
         ratio = torch.from_numpy(ratios.astype(np.float32)).to(conf.device)
         local = (conf * ratio[_bands(conf)]).clamp(max=1.0)
         return local if parent_value is None else parent_value[..., None] * local
