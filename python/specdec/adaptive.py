@@ -771,8 +771,7 @@ class Policy:
         # per request: accepted vs predicted (before this update); a lone request has no
         # batch-mates to be told apart from, and sizes() uses the records only when B > 1
         if slots is not None and B > 1:
-            node_depth = np.maximum(node_depth - 1, 0)  # depth 1 -> index 0
-            ratio = (self.accepted / self.confidence)[node_depth, _bands(confidence)]
+            ratio = self.ratio(np.maximum(node_depth, 1), confidence)  # (the root: any row)
             predicted = np.where(tried, np.minimum(ratio * confidence, 1.0), 0.0)
             hits = (on_path & tried).sum(1)
             for slot, a, e in zip(slots, hits.tolist(), predicted.sum(1).tolist()):
