@@ -29,7 +29,7 @@ from specdec import compiled_step, layer_ops, packed_linear
 from specdec.config import ModelArgs
 from specdec.errors import ModelLoadError
 from specdec.loader import default_model_path, load_model
-from specdec.model import Transformer
+from specdec.model import Transformer, inv_freq
 from specdec_kernels import ops
 from specdec_kernels.testing import time_fn
 
@@ -67,14 +67,17 @@ def load_target(weights: str, device: str) -> tuple[Transformer, str]:
             weights = "random"
     if weights == "default":
         return load_model(None, dtype=torch.bfloat16, device=device)[0], weights
-    model = Transformer(ModelArgs.from_hf_config(DEFAULT_MODEL_CONFIG)).requires_grad_(False)
+    args = ModelArgs.from_hf_config(DEFAULT_MODEL_CONFIG)
+    model = Transformer(args).requires_grad_(False)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:  # the norms' weights
                 p.fill_(1.0)
             else:  # unit-variance activations through every layer
                 p.normal_(0.0, p.shape[-1] ** -0.5)
-    return model.to(device=device, dtype=torch.bfloat16).eval(), weights
+    model.to(torch.bfloat16)
+    model.inv_freq = inv_freq(args)  # float32, as load_model leaves it
+    return model.to(device).eval(), weights
 
 
 def main():
