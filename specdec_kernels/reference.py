@@ -199,7 +199,10 @@ def tree_rejection_sample(
             children[int(parents[b, c])].append(c)
 
         def target(node, b=b):  # request b of this iteration
-            logits = target_logits[b, node]
+            # in float64 whatever the logits' dtype, as the kernels compute the probabilities
+            # (a bf16 softmax and CDF would round them: a uniform near a boundary would then
+            # pick the neighbouring token)
+            logits = target_logits[b, node].double()
             if torch.isnan(logits).any() or not torch.isfinite(logits.max()):
                 raise RuntimeError(f"target_logits[{b}, {node}] has NaN, +inf or only -inf entries")
             return process_logits(logits, temperature[b], top_k[b], top_p[b])

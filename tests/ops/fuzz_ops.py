@@ -206,6 +206,16 @@ def _node_value(name, make):
     return apply
 
 
+def _another_layout(cache):
+    """cache [num_blocks, block_size, Hkv, D] with two of its dimensions swapped, two of
+    different sizes (a transpose of equal ones is the same shape, only strided, which the
+    ops accept); a cache of four equal dimensions loses one of its D entries instead."""
+    for i, j in ((0, 1), (1, 2), (2, 3), (0, 2), (0, 3), (1, 3)):
+        if cache.shape[i] != cache.shape[j]:
+            return cache.transpose(i, j)
+    return cache[..., :-1]
+
+
 TREE_CORRUPTIONS = [
     _node_value("parents", lambda i, p, rng: rng.choice([i, i + 1, -1, -5])),
     _node_value("parents", lambda i, p, rng: WIDE + rng.randrange(i)),  # would wrap to valid
@@ -238,7 +248,7 @@ CORRUPTIONS = {
         _replace("v_cache", lambda t, p, rng: t.double()),
         _replace("q", lambda t, p, rng: t[..., :-1]),
         _replace("q", lambda t, p, rng: t.int()),
-        _replace("k_cache", lambda t, p, rng: t.transpose(0, 1)),
+        _replace("k_cache", lambda t, p, rng: _another_layout(t)),
         _replace("block_table", lambda t, p, rng: t.float()),
         _replace("cache_lens", lambda t, p, rng: t[:0]),
     ],
