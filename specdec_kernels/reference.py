@@ -186,7 +186,8 @@ def tree_rejection_sample(
     walk ends at a leaf or when every child is rejected; the bonus token is then
     the inverse CDF of r at uniforms[b, T]. Greedy requests (temperature 0) use
     p_u = one-hot(argmax), which makes this rule accept exactly the child whose
-    token is the argmax and emit the argmax as bonus.
+    token is the argmax and emit the argmax as bonus. Probabilities, residuals and the
+    CDF are float64 whatever the logits' dtype (the kernels' own precision).
     """
     B, T, V = target_logits.shape
     accepted_nodes = torch.full((B, T), -1, dtype=torch.int32)
