@@ -187,7 +187,9 @@ def tree_rejection_sample(
     the inverse CDF of r at uniforms[b, T]. Greedy requests (temperature 0) use
     p_u = one-hot(argmax), which makes this rule accept exactly the child whose
     token is the argmax and emit the argmax as bonus. Probabilities, residuals and the
-    CDF are float64 whatever the logits' dtype (the kernels' own precision).
+    CDF are float64 whatever the logits' dtype, as in the C++ kernel (the CUDA and Triton
+    kernels compute in float32: they agree unless a uniform falls within float32 rounding
+    of a decision boundary).
     """
     B, T, V = target_logits.shape
     accepted_nodes = torch.full((B, T), -1, dtype=torch.int32)
@@ -200,9 +202,9 @@ def tree_rejection_sample(
             children[int(parents[b, c])].append(c)
 
         def target(node, b=b):  # request b of this iteration
-            # in float64 whatever the logits' dtype, as the kernels compute the probabilities
-            # (a bf16 softmax and CDF would round them: a uniform near a boundary would then
-            # pick the neighbouring token)
+            # in float64 whatever the logits' dtype, as the C++ kernel computes the
+            # probabilities (a bf16 softmax and CDF would round them: a uniform near a
+            # boundary would then pick the neighbouring token)
             logits = target_logits[b, node].double()
             if torch.isnan(logits).any() or not torch.isfinite(logits.max()):
                 raise RuntimeError(f"target_logits[{b}, {node}] has NaN, +inf or only -inf entries")
