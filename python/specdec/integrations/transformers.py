@@ -289,10 +289,12 @@ def shipped_head_for(target: HFTarget):
     model's shapes, else None."""
     from ..eagle import load_head
     from ..heads import shipped_head_path
+    from ..loader import DEFAULT_MODEL_CONFIG
 
     path = shipped_head_path()
-    a = target.args
-    fits = (a.vocab_size, a.dim, a.n_layers, a.n_heads, a.n_kv_heads) == (49152, 576, 30, 9, 3)
+    a, d = target.args, ModelArgs.from_hf_config(DEFAULT_MODEL_CONFIG)
+    shape = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads")
+    fits = all(getattr(a, f) == getattr(d, f) for f in shape)
     return load_head(path, target) if path and fits else None
 
 
