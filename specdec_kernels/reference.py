@@ -40,8 +40,8 @@ def build_tree_mask(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor]
     padded nodes (i >= num_nodes[b]) are all zero and have depth 0.
     """
     B, T = parents.shape
-    W = (T + 63) // 64
-    anc = torch.zeros(B, T, W * 64, dtype=torch.bool)
+    mask_words = (T + 63) // 64
+    anc = torch.zeros(B, T, mask_words * 64, dtype=torch.bool)
     depth = torch.zeros(B, T, dtype=torch.int32)
     for b in range(B):
         for i in range(int(num_nodes[b])):
@@ -50,17 +50,17 @@ def build_tree_mask(parents: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor]
                 anc[b, i] = anc[b, p]
                 depth[b, i] = depth[b, p] + 1
             anc[b, i, i] = True
-    words = anc.view(B, T, W, 64).to(torch.int64)
-    mask = torch.zeros(B, T, W, dtype=torch.int64)
+    words = anc.view(B, T, mask_words, 64).to(torch.int64)
+    mask = torch.zeros(B, T, mask_words, dtype=torch.int64)
     for bit in range(64):  # bit 63 lands on the sign bit, as in the packed int64 contract
         mask |= words[..., bit] << bit
     return mask.to(parents.device), depth.to(parents.device)
 
 
 def unpack_tree_mask(tree_mask: Tensor, T: int) -> Tensor:
-    """tree_mask: [B, T, W] int64 -> [B, T, T] bool (entry [b, i, j] is bit j of row i)."""
+    """tree_mask: [B, T, mask_words] int64 -> [B, T, T] bool (entry [b, i, j] is bit j of row i)."""
     bits = torch.arange(64, device=tree_mask.device)
-    unpacked = (tree_mask[..., None] >> bits) & 1  # [B, T, W, 64]
+    unpacked = (tree_mask[..., None] >> bits) & 1  # [B, T, mask_words, 64]
     return unpacked.flatten(-2)[..., :T].bool()
 
 
@@ -82,8 +82,8 @@ def tree_verify(
     tree_mask: [B, T, ceil(T/64)] int64  ->  [B, T, Hq, D] in q's dtype.
     """
     B, T, Hq, D = q.shape
-    num_blocks, bs, Hkv, _ = k_cache.shape
-    S = block_table.shape[1] * bs
+    num_blocks, block_size, Hkv, _ = k_cache.shape
+    S = block_table.shape[1] * block_size
     blocks = block_table.long().clamp(
         0, num_blocks - 1
     )  # unowned entries (e.g. -1) are never attended
@@ -259,13 +259,13 @@ def compact_kv(
     """
     k = k_cache if k_cache.dim() == 5 else k_cache.unsqueeze(0)
     v = v_cache if v_cache.dim() == 5 else v_cache.unsqueeze(0)
-    bs = k.shape[2]
+    block_size = k.shape[2]
     for b in range(block_table.shape[0]):
         m = int(num_accepted[b]) + 1
         src = int(cache_lens[b]) + accepted_nodes[b, :m].long()
         dst = int(cache_lens[b]) + torch.arange(m, device=src.device)
-        sb, so = block_table[b].long()[src // bs], src % bs
-        db, do = block_table[b].long()[dst // bs], dst % bs
+        sb, so = block_table[b].long()[src // block_size], src % block_size
+        db, do = block_table[b].long()[dst // block_size], dst % block_size
         for cache in (k, v):
             cache[:, db, do] = cache[:, sb, so].clone()
 

@@ -33,11 +33,11 @@ def _copy_path(
     b,
     c,
     na,
-    NB,
-    bs,
+    num_blocks,
+    block_size,
     D,
-    MB,
-    S,
+    max_blocks,
+    max_positions,
     T,
     cols,
     col_mask,
@@ -52,13 +52,15 @@ def _copy_path(
         dst = c + k
         # Unvalidated (GPU) inputs: a position outside the block table row, or a block id
         # outside the cache, skips the step instead of reading or writing out of bounds.
-        ok = (src != dst) & (src >= 0) & (src < S) & (dst >= 0) & (dst < S)  # S = MB * bs
+        ok = (
+            (src != dst) & (src >= 0) & (src < max_positions) & (dst >= 0) & (dst < max_positions)
+        )  # max_positions = max_blocks * block_size
         if ok:
-            src_blk = tl.load(bt_ptr + b * MB + src // bs).to(tl.int64)
-            dst_blk = tl.load(bt_ptr + b * MB + dst // bs).to(tl.int64)
-            if (src_blk >= 0) & (src_blk < NB) & (dst_blk >= 0) & (dst_blk < NB):
-                src_row = src_blk * s_b + (src % bs) * s_r
-                dst_row = dst_blk * s_b + (dst % bs) * s_r
+            src_blk = tl.load(bt_ptr + b * max_blocks + src // block_size).to(tl.int64)
+            dst_blk = tl.load(bt_ptr + b * max_blocks + dst // block_size).to(tl.int64)
+            if (src_blk >= 0) & (src_blk < num_blocks) & (dst_blk >= 0) & (dst_blk < num_blocks):
+                src_row = src_blk * s_b + (src % block_size) * s_r
+                dst_row = dst_blk * s_b + (dst % block_size) * s_r
                 vals = tl.load(base + src_row + col_off, mask=col_mask)
                 tl.store(base + dst_row + col_off, vals, mask=col_mask)
 
@@ -79,12 +81,12 @@ def _compact_kv_kernel(
     v_sb,
     v_sr,
     v_sh,
-    NB,
-    bs,
+    num_blocks,
+    block_size,
     D,
     ROW,
-    MB,
-    S,
+    max_blocks,
+    max_positions,
     T,
     BLOCK: tl.constexpr,
 ):
@@ -108,11 +110,11 @@ def _compact_kv_kernel(
             b,
             c,
             na,
-            NB,
-            bs,
+            num_blocks,
+            block_size,
             D,
-            MB,
-            S,
+            max_blocks,
+            max_positions,
             T,
             cols,
             col_mask,
@@ -130,11 +132,11 @@ def _compact_kv_kernel(
             b,
             c,
             na,
-            NB,
-            bs,
+            num_blocks,
+            block_size,
             D,
-            MB,
-            S,
+            max_blocks,
+            max_positions,
             T,
             cols,
             col_mask,
@@ -159,9 +161,9 @@ def compact_kv(
     one opaque call and orders it correctly against reads of the caches."""
     k = k_cache if k_cache.dim() == 5 else k_cache.unsqueeze(0)
     v = v_cache if v_cache.dim() == 5 else v_cache.unsqueeze(0)
-    L, NB, bs, H, D = k.shape
+    L, num_blocks, block_size, H, D = k.shape
     bits = _BITS[k.element_size()]
-    B, MB = block_table.shape
+    B, max_blocks = block_table.shape
     T = accepted_nodes.shape[1]
     ROW = H * D
     BLOCK = min(triton.next_power_of_2(ROW), 1024)
@@ -175,12 +177,12 @@ def compact_kv(
         index32(num_accepted),
         *k.stride()[:4],
         *v.stride()[:4],
-        NB,
-        bs,
+        num_blocks,
+        block_size,
         D,
         ROW,
-        MB,
-        MB * bs,
+        max_blocks,
+        max_blocks * block_size,
         T,
         BLOCK=BLOCK,
     )

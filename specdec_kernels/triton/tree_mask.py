@@ -1,6 +1,6 @@
 """build_tree_mask in Triton: one program per request walks its nodes in order.
 
-The whole [T, W] mask tile and the depth vector live in registers: row i is
+The whole [T, mask_words] mask tile and the depth vector live in registers: row i is
 row parents[i] (selected by a masked reduction, no global read-after-write) with
 bit i added, so the walk needs no barrier between nodes.
 """
@@ -14,13 +14,20 @@ from ._index import index32
 
 @triton.jit
 def _tree_mask_kernel(
-    parents_ptr, num_nodes_ptr, mask_ptr, depth_ptr, T, W, T_PAD: tl.constexpr, W_PAD: tl.constexpr
+    parents_ptr,
+    num_nodes_ptr,
+    mask_ptr,
+    depth_ptr,
+    T,
+    mask_words,
+    T_PAD: tl.constexpr,
+    WORDS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(num_nodes_ptr + b), T)  # unvalidated (GPU) input: stay in the row
     rows = tl.arange(0, T_PAD)
-    words = tl.arange(0, W_PAD)
-    one = tl.full([W_PAD], 1, tl.int64)
+    words = tl.arange(0, WORDS_PAD)
+    one = tl.full([WORDS_PAD], 1, tl.int64)
     # root: only its own bit, depth 0
     tile = tl.where((rows[:, None] == 0) & (words[None, :] == 0), 1, 0).to(tl.int64)
     depth = tl.zeros([T_PAD], tl.int32)
@@ -32,8 +39,8 @@ def _tree_mask_kernel(
         tile = tl.where((rows == i)[:, None], (parent_row | own)[None, :], tile)
         depth = tl.where(rows == i, tl.sum(tl.where(sel, depth, 0)) + 1, depth)
     tile = tl.where((rows < n)[:, None], tile, 0)  # padded rows: all zero, depth 0
-    out = mask_ptr + b * T * W + rows[:, None] * W + words[None, :]
-    tl.store(out, tile, mask=(rows[:, None] < T) & (words[None, :] < W))
+    out = mask_ptr + b * T * mask_words + rows[:, None] * mask_words + words[None, :]
+    tl.store(out, tile, mask=(rows[:, None] < T) & (words[None, :] < mask_words))
     tl.store(depth_ptr + b * T + rows, depth, mask=rows < T)
 
 
@@ -46,10 +53,10 @@ def build_tree_mask(
 
     A custom op, so torch.compile treats the launch as one opaque call."""
     B, T = parents.shape
-    W = (T + 63) // 64
+    mask_words = (T + 63) // 64
     parents = index32(parents)
     num_nodes = index32(num_nodes)
-    mask = torch.empty(B, T, W, dtype=torch.int64, device=parents.device)
+    mask = torch.empty(B, T, mask_words, dtype=torch.int64, device=parents.device)
     depth = torch.empty(B, T, dtype=torch.int32, device=parents.device)
     _tree_mask_kernel[(B,)](
         parents,
@@ -57,9 +64,9 @@ def build_tree_mask(
         mask,
         depth,
         T,
-        W,
+        mask_words,
         T_PAD=triton.next_power_of_2(T),
-        W_PAD=triton.next_power_of_2(W),
+        WORDS_PAD=triton.next_power_of_2(mask_words),
     )
     return mask, depth
 

@@ -54,11 +54,11 @@ def _attend(
     stride_vb,
     stride_vr,
     stride_vh,
-    NB,
-    bs,
-    MB,
+    num_blocks,
+    block_size,
+    max_blocks,
     T,
-    W,
+    mask_words32,
     qk_scale,
     IS_TREE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -68,13 +68,15 @@ def _attend(
     """Online softmax of the query tile q [BM, BD] over key positions [lo, hi)."""
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < hi  # hi <= MB * bs, so the block table read stays in row b
+        pos_ok = pos < hi  # hi <= max_blocks * block_size, so the block table read stays in row b
         # Block ids are clamped like the reference's gather: unvalidated (GPU) bad ids give
         # wrong numbers, never an out-of-bounds read.
-        blk = tl.load(bt_ptr + b * MB + pos // bs, mask=pos_ok, other=0).to(tl.int64)
-        blk = tl.minimum(tl.maximum(blk, 0), NB - 1)
+        blk = tl.load(bt_ptr + b * max_blocks + pos // block_size, mask=pos_ok, other=0).to(
+            tl.int64
+        )
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1)
         # Offsets through the caches' strides (int64): any layout with a contiguous last dim.
-        row = (pos % bs).to(tl.int64)
+        row = (pos % block_size).to(tl.int64)
         k_off = (blk * stride_kb + row * stride_kr + kvh * stride_kh)[:, None] + d[None, :]
         v_off = (blk * stride_vb + row * stride_vr + kvh * stride_vh)[:, None] + d[None, :]
         kv_ok = pos_ok[:, None] & d_ok[None, :]
@@ -83,9 +85,12 @@ def _attend(
         allowed = row_ok[:, None] & pos_ok[None, :]
         if IS_TREE:
             j = pos - c  # tree node of each key
-            # the mask viewed as int32 words [B, T, W]: bit j of a row is bit j % 32 of word j // 32
+            # the mask viewed as int32 words [B, T, mask_words32]: bit j of a row is bit j % 32
+            # of word j // 32
             words = tl.load(
-                tm_ptr + (b * T + node)[:, None] * W + (j // 32)[None, :], mask=allowed, other=0
+                tm_ptr + (b * T + node)[:, None] * mask_words32 + (j // 32)[None, :],
+                mask=allowed,
+                other=0,
             )
             allowed = allowed & (((words >> (j % 32)[None, :]) & 1) != 0)
         s = tl.where(allowed, s, float("-inf"))
@@ -126,11 +131,11 @@ def _tree_verify_kernel(
     stride_vb,
     stride_vr,
     stride_vh,
-    NB,
-    bs,
-    MB,
-    S,
-    W,
+    num_blocks,
+    block_size,
+    max_blocks,
+    max_positions,
+    mask_words32,
     CHUNK,
     GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -143,10 +148,11 @@ def _tree_verify_kernel(
     b = (tl.program_id(0) // Hkv).to(tl.int64)
     kvh = tl.program_id(0) % Hkv
     split = tl.program_id(2)
-    # int64, and bounded to the S = MB * bs positions the block table row maps: unvalidated
-    # (GPU) cache_lens / num_nodes can neither overflow c + n nor index past the row.
+    # int64, and bounded to the max_positions = max_blocks * block_size positions the block
+    # table row maps: unvalidated (GPU) cache_lens / num_nodes can neither overflow c + n nor
+    # index past the row.
     n = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + b), 0), T)
-    c = tl.minimum(tl.maximum(tl.load(cache_lens_ptr + b).to(tl.int64), 0), S)
+    c = tl.minimum(tl.maximum(tl.load(cache_lens_ptr + b).to(tl.int64), 0), max_positions)
 
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # (node, head in group) pairs
     node = rows // GROUP
@@ -189,11 +195,11 @@ def _tree_verify_kernel(
         stride_vb,
         stride_vr,
         stride_vh,
-        NB,
-        bs,
-        MB,
+        num_blocks,
+        block_size,
+        max_blocks,
         T,
-        W,
+        mask_words32,
         qk_scale,
         False,
         BLOCK_N,
@@ -212,7 +218,7 @@ def _tree_verify_kernel(
         b,
         kvh,
         tl.maximum(lo, c),
-        tl.minimum(tl.minimum(hi, c + n), S),
+        tl.minimum(tl.minimum(hi, c + n), max_positions),
         c,
         node,
         row_ok,
@@ -224,11 +230,11 @@ def _tree_verify_kernel(
         stride_vb,
         stride_vr,
         stride_vh,
-        NB,
-        bs,
-        MB,
+        num_blocks,
+        block_size,
+        max_blocks,
         T,
-        W,
+        mask_words32,
         qk_scale,
         True,
         BLOCK_N,
@@ -314,13 +320,15 @@ def tree_verify(
 
     A custom op, so torch.compile treats the launches as one opaque call."""
     B, T, Hq, D = q.shape
-    NB, bs, Hkv, _ = k_cache.shape
-    MB = block_table.shape[1]
-    W = tree_mask.shape[2]
+    num_blocks, block_size, Hkv, _ = k_cache.shape
+    max_blocks = block_table.shape[1]
+    mask_words = tree_mask.shape[2]
     group = Hq // Hkv
     block_m = min(64, max(16, triton.next_power_of_2(T * group)))
     m_blocks = triton.cdiv(T * group, block_m)
-    block_n, splits, chunk, num_warps = _launch_config(q.device, D, MB * bs, B * Hkv * m_blocks)
+    block_n, splits, chunk, num_warps = _launch_config(
+        q.device, D, max_blocks * block_size, B * Hkv * m_blocks
+    )
     block_d = max(16, triton.next_power_of_2(D))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the fake says
     if splits > 1:
@@ -347,11 +355,11 @@ def tree_verify(
         *q.stride()[:3],
         *k_cache.stride()[:3],
         *v_cache.stride()[:3],
-        NB,
-        bs,
-        MB,
-        MB * bs,
-        2 * W,
+        num_blocks,
+        block_size,
+        max_blocks,
+        max_blocks * block_size,
+        2 * mask_words,  # the kernel reads the int64 words as int32 pairs
         chunk,
         GROUP=group,
         NUM_SPLITS=splits,
