@@ -14,9 +14,9 @@
 // (scaled by |logit / temperature|: the logits are multiplied by 1 / temperature).
 //
 // The per-token loops (row max, softmax, draft subtraction, sums, the sampling scan) run on
-// GCC vectors of W doubles (vec.h) with a vectorised float64 exp (<= 1.05 ulp), compiled for
-// AVX-512 (W = 8), AVX2 + FMA (W = 4) and the baseline ISA (W = 2); the best build the CPU
-// runs is picked at run time (pick_walk), the logit and draft dtypes with the
+// GCC vectors of LANES doubles (vec.h) with a vectorised float64 exp (<= 1.05 ulp), compiled for
+// AVX-512 (LANES = 8), AVX2 + FMA (LANES = 4) and the baseline ISA (LANES = 2); the best build the
+// CPU runs is picked at run time (pick_walk), the logit and draft dtypes with the
 // SPECDEC_DISPATCH_* macros (dispatch.h). Rows without a top-k / top-p filter keep every
 // token (a dense support: no token ids). The residual starts as the row's probabilities
 // themselves and is written only when a rejection changes it.
@@ -81,32 +81,32 @@ struct DraftProbs {
   int64_t V = 0;
 };
 
-// ---------------------------------------------------------------- vectors of W doubles
-// W values of p as doubles (logits go through float, as the scalar code reads them).
-template <int W, typename T>
-SPECDEC_INLINE typename Simd<W>::d load_f64(const T* p) {
+// ---------------------------------------------------------------- vectors of LANES doubles
+// LANES values of p as doubles (logits go through float, as the scalar code reads them).
+template <int LANES, typename T>
+SPECDEC_INLINE typename Simd<LANES>::d load_f64(const T* p) {
   if constexpr (std::is_same_v<T, double>) {
-    return load<W>(p);
+    return load<LANES>(p);
   } else {
-    typename Simd<W>::f v;
+    typename Simd<LANES>::f v;
     if constexpr (std::is_same_v<T, float>) {
       __builtin_memcpy(&v, p, sizeof(v));
     } else {
-      for (int j = 0; j < W; ++j) v[j] = static_cast<float>(p[j]);
+      for (int j = 0; j < LANES; ++j) v[j] = static_cast<float>(p[j]);
     }
-    return __builtin_convertvector(v, typename Simd<W>::d);
+    return __builtin_convertvector(v, typename Simd<LANES>::d);
   }
 }
 // Lanes [0, m) from p, the others `fill`.
-template <int W, typename T>
-SPECDEC_INLINE typename Simd<W>::d load_part(const T* p, int64_t m, double fill) {
-  typename Simd<W>::d v = splat<W>(fill);
+template <int LANES, typename T>
+SPECDEC_INLINE typename Simd<LANES>::d load_part(const T* p, int64_t m, double fill) {
+  typename Simd<LANES>::d v = splat<LANES>(fill);
   for (int64_t j = 0; j < m; ++j) v[j] = static_cast<float>(p[j]);
   return v;
 }
-template <int W>
-SPECDEC_INLINE typename Simd<W>::d load_part(const double* p, int64_t m, double fill) {
-  typename Simd<W>::d v = splat<W>(fill);
+template <int LANES>
+SPECDEC_INLINE typename Simd<LANES>::d load_part(const double* p, int64_t m, double fill) {
+  typename Simd<LANES>::d v = splat<LANES>(fill);
   for (int64_t j = 0; j < m; ++j) v[j] = p[j];
   return v;
 }
@@ -117,18 +117,18 @@ SPECDEC_INLINE typename Simd<W>::d load_part(const double* p, int64_t m, double 
 // 2^k applied as two exact power-of-two factors, so that subnormal results are rounded once
 // and x <= -745.2 (-inf included) gives 0. kTiny = false: only for x in [-708, 709], where
 // 2^k is normal and one factor does.
-template <int W, bool kTiny>
-SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
-  using vd = typename Simd<W>::d;
-  using vu = typename Simd<W>::u64;
-  const vd lo = splat<W>(-1100.0);  // exp underflows to 0 well above; keeps inf - inf away
+template <int LANES, bool kTiny>
+SPECDEC_INLINE typename Simd<LANES>::d vexp(typename Simd<LANES>::d x) {
+  using vd = typename Simd<LANES>::d;
+  using vu = typename Simd<LANES>::u64;
+  const vd lo = splat<LANES>(-1100.0);  // exp underflows to 0 well above; keeps inf - inf away
   const vd xc = x < lo ? lo : x;
   // Adding 1.5 * 2^52 rounds to an integer k, which then sits in the low mantissa bits.
-  const vd round = splat<W>(6755399441055744.0);
+  const vd round = splat<LANES>(6755399441055744.0);
   const vd shifted = xc * 1.4426950408889634 + round;
   const vd k = shifted - round;
   const vd r = (xc - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10;
-  vd q = splat<W>(2.5100375929185925e-08);
+  vd q = splat<LANES>(2.5100375929185925e-08);
   q = q * r + 2.762007600563138e-07;
   q = q * r + 2.7557268480106926e-06;
   q = q * r + 2.480152132210459e-05;
@@ -161,12 +161,12 @@ SPECDEC_INLINE typename Simd<W>::d vexp(typename Simd<W>::d x) {
 }
 
 // Sum of v[0, n).
-template <int W>
+template <int LANES>
 SPECDEC_INLINE double sum_of(const double* v, int64_t n) {
-  typename Simd<W>::d acc{};
+  typename Simd<LANES>::d acc{};
   int64_t i = 0;
-  for (; i + W <= n; i += W) acc += load<W>(v + i);
-  return hsum<W>(acc + load_part<W>(v + i, n - i, 0.0));
+  for (; i + LANES <= n; i += LANES) acc += load<LANES>(v + i);
+  return hsum<LANES>(acc + load_part<LANES>(v + i, n - i, 0.0));
 }
 
 // ---------------------------------------------------------------- one row
@@ -194,11 +194,11 @@ int32_t argmax_checked(const scalar_t* row, int64_t V, int64_t b, int64_t node) 
   return arg;
 }
 
-// (min, max) logit of a row; throws on a NaN / +inf / all -inf row. Vectors of 2 W floats.
-template <int W, typename scalar_t>
+// (min, max) logit of a row; throws on a NaN / +inf / all -inf row. Vectors of 2 LANES floats.
+template <int LANES, typename scalar_t>
 SPECDEC_INLINE std::pair<double, double> row_range(const scalar_t* row, int64_t V, int64_t b,
                                                    int64_t node) {
-  constexpr int L = 2 * W;
+  constexpr int L = 2 * LANES;
   using vf = typename Simd<L>::f;
   vf min = vf{} + static_cast<float>(row[0]), max = min;
   typename Simd<L>::i32 nan{};
@@ -270,31 +270,32 @@ std::pair<double, double> max_and_cut(const scalar_t* row, int64_t V, int64_t k,
 // their sum. The logits are multiplied by 1 / temperature: within 1 ulp of the reference's
 // division (a relative change of |logit / temperature| * 1.1e-16 in a probability), and the
 // max logit still gives exp(0) = 1 exactly. kTiny: some exponent may fall below -708.
-template <int W, bool kTiny, typename T>
+template <int LANES, bool kTiny, typename T>
 SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double inv, double zmax, double* out) {
-  using vd = typename Simd<W>::d;
+  using vd = typename Simd<LANES>::d;
   vd acc{};
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    const vd e = vexp<W, kTiny>(load_f64<W>(in + i) * inv - zmax);
+  for (; i + LANES <= n; i += LANES) {
+    const vd e = vexp<LANES, kTiny>(load_f64<LANES>(in + i) * inv - zmax);
     store(out + i, e);
     acc += e;
   }
-  if (i == n) return hsum<W>(acc);
-  const vd e = vexp<W, kTiny>(load_part<W>(in + i, n - i, in[i]) * inv - zmax);  // pad: in[i]
+  if (i == n) return hsum<LANES>(acc);
+  const vd e =
+      vexp<LANES, kTiny>(load_part<LANES>(in + i, n - i, in[i]) * inv - zmax);  // pad: in[i]
   store_part(out + i, e, n - i);
-  double sum = hsum<W>(acc);
+  double sum = hsum<LANES>(acc);
   for (int64_t j = 0; j < n - i; ++j) sum += e[j];
   return sum;
 }
 
 // softmax_terms for logits in [min, max].
-template <int W, typename T>
+template <int LANES, typename T>
 SPECDEC_INLINE double softmax_terms(const T* in, int64_t n, double temperature, double min,
                                     double max, double* out) {
   const double inv = 1.0 / temperature, zmax = max * inv;
-  return min * inv - zmax >= -708.0 ? softmax_terms<W, false>(in, n, inv, zmax, out)
-                                    : softmax_terms<W, true>(in, n, inv, zmax, out);
+  return min * inv - zmax >= -708.0 ? softmax_terms<LANES, false>(in, n, inv, zmax, out)
+                                    : softmax_terms<LANES, true>(in, n, inv, zmax, out);
 }
 
 // Log-scale bucket of a probability in (0, 1]: 128 buckets per factor of 2
@@ -380,7 +381,7 @@ struct Row {
   }
 };
 
-template <int W, typename scalar_t>
+template <int LANES, typename scalar_t>
 SPECDEC_INLINE Row process_row(const scalar_t* logits, int64_t V, const Params& prm, int64_t b,
                                int64_t node, Scratch& s) {
   int32_t* tok = s.tok.get();
@@ -395,10 +396,10 @@ SPECDEC_INLINE Row process_row(const scalar_t* logits, int64_t V, const Params& 
       p[n] = x;
       n += x >= cut;
     }
-    row = {n, softmax_terms<W>(p, n, prm.temperature, kNegInf, max, p), false};
+    row = {n, softmax_terms<LANES>(p, n, prm.temperature, kNegInf, max, p), false};
   } else {
-    const auto [min, max] = row_range<W>(logits, V, b, node);
-    row.sum = softmax_terms<W>(logits, V, prm.temperature, min, max, p);
+    const auto [min, max] = row_range<LANES>(logits, V, b, node);
+    row.sum = softmax_terms<LANES>(logits, V, prm.temperature, min, max, p);
   }
   if (prm.top_p < 1.0) {
     const double tau = top_p_threshold(p, row.n, prm.top_p * row.sum, s);
@@ -443,47 +444,47 @@ double subtract_draft_any(const DraftProbs& dp, int64_t row, const int32_t* tok,
   return sum;
 }
 
-// q of support entries [i, i + m), m <= W; lanes from m on are 0.
-template <int W, typename Q>
-SPECDEC_INLINE typename Simd<W>::d draft_part(const Q* q, const int32_t* tok, bool dense, int64_t i,
-                                              int64_t m) {
-  if (dense) return m == W ? load_f64<W>(q + i) : load_part<W>(q + i, m, 0.0);
-  typename Simd<W>::d v{};
+// q of support entries [i, i + m), m <= LANES; lanes from m on are 0.
+template <int LANES, typename Q>
+SPECDEC_INLINE typename Simd<LANES>::d draft_part(const Q* q, const int32_t* tok, bool dense,
+                                                  int64_t i, int64_t m) {
+  if (dense) return m == LANES ? load_f64<LANES>(q + i) : load_part<LANES>(q + i, m, 0.0);
+  typename Simd<LANES>::d v{};
   for (int64_t j = 0; j < m; ++j) v[j] = static_cast<double>(q[tok[i + j]]);
   return v;
 }
 
 // subtract_draft_any for float / double draft rows q [V], on vectors.
-template <int W, typename Q>
+template <int LANES, typename Q>
 SPECDEC_INLINE double subtract_draft_vec(const Q* q, const int32_t* tok, bool dense,
                                          const double* src, double* dst, int64_t n, double rsum) {
-  using vd = typename Simd<W>::d;
+  using vd = typename Simd<LANES>::d;
   const double inv = 1.0 / rsum;
   vd acc{};
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    vd v = load<W>(src + i) * inv - draft_part<W>(q, tok, dense, i, W);
+  for (; i + LANES <= n; i += LANES) {
+    vd v = load<LANES>(src + i) * inv - draft_part<LANES>(q, tok, dense, i, LANES);
     v = v < 0.0 ? vd{} : v;
     store(dst + i, v);
     acc += v;
   }
-  vd v = load_part<W>(src + i, n - i, 0.0) * inv - draft_part<W>(q, tok, dense, i, n - i);
+  vd v = load_part<LANES>(src + i, n - i, 0.0) * inv - draft_part<LANES>(q, tok, dense, i, n - i);
   v = v < 0.0 ? vd{} : v;
   store_part(dst + i, v, n - i);
-  return hsum<W>(acc + v);
+  return hsum<LANES>(acc + v);
 }
 
-template <int W>
+template <int LANES>
 SPECDEC_INLINE double subtract_draft(const DraftProbs& dp, int64_t row, const int32_t* tok,
                                      bool dense, const double* src, double* dst, int64_t n,
                                      double rsum) {
   if (dp.dtype == at::kFloat) {
-    return subtract_draft_vec<W>(static_cast<const float*>(dp.data) + row * dp.V, tok, dense, src,
-                                 dst, n, rsum);
+    return subtract_draft_vec<LANES>(static_cast<const float*>(dp.data) + row * dp.V, tok, dense,
+                                     src, dst, n, rsum);
   }
   if (dp.dtype == at::kDouble) {
-    return subtract_draft_vec<W>(static_cast<const double*>(dp.data) + row * dp.V, tok, dense, src,
-                                 dst, n, rsum);
+    return subtract_draft_vec<LANES>(static_cast<const double*>(dp.data) + row * dp.V, tok, dense,
+                                     src, dst, n, rsum);
   }
   return subtract_draft_any(dp, row, tok, dense, src, dst, n, rsum);
 }
@@ -494,12 +495,12 @@ SPECDEC_INLINE double subtract_draft(const DraftProbs& dp, int64_t row, const in
 // one. block_sums holds >= n / kScanBlock + 1 doubles.
 constexpr int64_t kScanBlock = 256;
 
-template <int W>
+template <int LANES>
 SPECDEC_INLINE int64_t sample_index(const double* r, int64_t n, double u, double* block_sums) {
   const int64_t blocks = (n + kScanBlock - 1) / kScanBlock;
   double total = 0.0;
   for (int64_t j = 0; j < blocks; ++j) {
-    block_sums[j] = sum_of<W>(r + j * kScanBlock, std::min(kScanBlock, n - j * kScanBlock));
+    block_sums[j] = sum_of<LANES>(r + j * kScanBlock, std::min(kScanBlock, n - j * kScanBlock));
     total += block_sums[j];
   }
   const double target = u * total;
@@ -560,7 +561,7 @@ void walk_greedy(const scalar_t* logits, const Request& rq) {
   *rq.num_accepted = static_cast<int32_t>(k);
 }
 
-template <int W, typename scalar_t>
+template <int LANES, typename scalar_t>
 SPECDEC_INLINE void walk_sampled(const scalar_t* logits, const DraftProbs& dp, const Request& rq,
                                  Scratch& s) {
   const int32_t* tok = s.tok.get();
@@ -568,7 +569,7 @@ SPECDEC_INLINE void walk_sampled(const scalar_t* logits, const DraftProbs& dp, c
   double* rbuf = s.r.get();
   int64_t u = 0, k = 0;
   rq.accepted[0] = 0;
-  Row row = process_row<W>(logits, rq.V, rq.prm, rq.b, 0, s);
+  Row row = process_row<LANES>(logits, rq.V, rq.prm, rq.b, 0, s);
   const double* r = p;  // the residual: p until a rejection writes rbuf
   double rsum = row.sum;
   while (true) {
@@ -583,14 +584,14 @@ SPECDEC_INLINE void walk_sampled(const scalar_t* logits, const DraftProbs& dp, c
         break;
       }
       if (dp.data) {
-        rsum = subtract_draft<W>(dp, rq.b * rq.T + u, tok, row.dense, r, rbuf, row.n, rsum);
+        rsum = subtract_draft<LANES>(dp, rq.b * rq.T + u, tok, row.dense, r, rbuf, row.n, rsum);
         r = rbuf;
       } else if (i >= 0) {
         if (r == p) std::copy(p, p + row.n, rbuf);
         r = rbuf;
         rbuf[i] = 0.0;
         const double left = rsum - rx;
-        rsum = left < rsum * kCancellation ? sum_of<W>(rbuf, row.n) : left;
+        rsum = left < rsum * kCancellation ? sum_of<LANES>(rbuf, row.n) : left;
       }
       if (!(rsum > 0.0)) {  // inconsistent draft probabilities emptied the residual
         r = p;
@@ -601,11 +602,12 @@ SPECDEC_INLINE void walk_sampled(const scalar_t* logits, const DraftProbs& dp, c
     u = next;
     rq.accepted[++k] = static_cast<int32_t>(u);
     rq.tokens[k - 1] = rq.draft[u];
-    row = process_row<W>(logits + u * rq.V, rq.V, rq.prm, rq.b, u, s);
+    row = process_row<LANES>(logits + u * rq.V, rq.V, rq.prm, rq.b, u, s);
     r = p;
     rsum = row.sum;
   }
-  const int64_t i = sample_index<W>(r, row.n, static_cast<double>(rq.uniforms[rq.T]), s.tmp.get());
+  const int64_t i =
+      sample_index<LANES>(r, row.n, static_cast<double>(rq.uniforms[rq.T]), s.tmp.get());
   rq.tokens[k] = static_cast<int32_t>(row.dense ? i : tok[i]);
   *rq.num_accepted = static_cast<int32_t>(k);
 }

@@ -15,14 +15,14 @@
 // rows are mask_words = ceil(T / 64) 64-bit words). When B * Hkv tasks cannot occupy the
 // threads, the positions are split and the partial (O, max, sum) merged afterwards.
 //
-// The float loops use vectors of W float lanes (vec.h; W is only ever the vector width here),
-// compiled for AVX-512 (W = 16), for AVX2 + FMA (W = 8) and for the baseline ISA (W = 4, SSE2
-// on x86-64). bfloat16 inputs on a CPU with AVX512-BF16 take a fourth build that multiplies
-// bf16 pairs with vdpbf16ps (float accumulation; the probabilities are rounded to bf16 for
-// P V, as flash attention kernels do); so does the few-rows kernel (a plain step's and a
-// small tree's <= 8 rows per KV head: lanes over head dims) for head dims a multiple of 32,
-// reading the cache's bf16 rows in place. The best build the CPU runs is picked at run time
-// (pick_attend); the dtype with SPECDEC_DISPATCH_FLOAT_DTYPE (dispatch.h).
+// The float loops use vectors of LANES float lanes (vec.h), compiled for AVX-512 (LANES = 16),
+// for AVX2 + FMA (LANES = 8) and for the baseline ISA (LANES = 4, SSE2 on x86-64). bfloat16
+// inputs on a CPU with AVX512-BF16 take a fourth build that multiplies bf16 pairs with
+// vdpbf16ps (float accumulation; the probabilities are rounded to bf16 for P V, as flash
+// attention kernels do); so does the few-rows kernel (a plain step's and a small tree's <= 8
+// rows per KV head: lanes over head dims) for head dims a multiple of 32, reading the cache's
+// bf16 rows in place. The best build the CPU runs is picked at run time (pick_attend); the
+// dtype with SPECDEC_DISPATCH_FLOAT_DTYPE (dispatch.h).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -53,30 +53,30 @@
 namespace specdec {
 namespace {
 
-// The micro-kernels work on 2 * W query rows at a time (W float lanes, vec.h).
-// Keys (scores) or head dims (output) per micro-kernel call: 2 * kCols<W> accumulators
+// The micro-kernels work on 2 * LANES query rows at a time (LANES float lanes, vec.h).
+// Keys (scores) or head dims (output) per micro-kernel call: 2 * kCols<LANES> accumulators
 // (+ 3 operands) fill but do not overflow the 32 zmm or 16 ymm / xmm registers.
-template <int W>
-constexpr int kCols = W == 16 ? 8 : 4;
+template <int LANES>
+constexpr int kCols = LANES == 16 ? 8 : 4;
 constexpr int kMaxCols = 8;         // the largest kCols: head dims are padded to it
-constexpr int kMaxPanel = 32;       // 2 * the widest W: rows are padded to it
+constexpr int kMaxPanel = 32;       // 2 * the widest LANES: rows are padded to it
 constexpr int64_t kTile = 64;       // key positions staged at a time (even, a multiple of kMaxCols)
 constexpr int64_t kMinSplit = 256;  // fewest positions worth a split of their own
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // 2^x for x <= 0 (a score minus its row max), ~1 ulp; exactly 0 below -126 and for -inf.
-template <int W>
-SPECDEC_INLINE typename Simd<W>::f exp2_nonpos(typename Simd<W>::f x) {
-  using vfloat = typename Simd<W>::f;
-  const vfloat lo = splat<W>(-126.f);
+template <int LANES>
+SPECDEC_INLINE typename Simd<LANES>::f exp2_nonpos(typename Simd<LANES>::f x) {
+  using vfloat = typename Simd<LANES>::f;
+  const vfloat lo = splat<LANES>(-126.f);
   const vfloat xc = x < lo ? lo : x;
   // Adding 1.5 * 2^23 rounds to an integer k, which then sits in the low mantissa bits.
-  const vfloat round = splat<W>(12582912.f);
+  const vfloat round = splat<LANES>(12582912.f);
   const vfloat shifted = xc + round;
   const vfloat k = shifted - round;
   const vfloat f = xc - k;  // in [-0.5, 0.5]
   // Taylor series of 2^f = e^(f ln 2) to degree 7: truncation error < 1e-8 on [-0.5, 0.5].
-  vfloat p = splat<W>(1.525273380405984e-05f);
+  vfloat p = splat<LANES>(1.525273380405984e-05f);
   p = p * f + 1.5403530393381606e-04f;
   p = p * f + 1.3333558146428443e-03f;
   p = p * f + 9.618129107628477e-03f;
@@ -84,10 +84,10 @@ SPECDEC_INLINE typename Simd<W>::f exp2_nonpos(typename Simd<W>::f x) {
   p = p * f + 2.402265069591007e-01f;
   p = p * f + 6.931471805599453e-01f;
   p = p * f + 1.f;
-  typename Simd<W>::i32 kbits;
+  typename Simd<LANES>::i32 kbits;
   __builtin_memcpy(&kbits, &shifted, sizeof(kbits));
   // 2^k as a float (0x4B400000 = round)
-  const typename Simd<W>::i32 bits = (kbits - 0x4B400000 + 127) << 23;
+  const typename Simd<LANES>::i32 bits = (kbits - 0x4B400000 + 127) << 23;
   vfloat scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return x < lo ? vfloat{} : p * scale;
@@ -189,14 +189,14 @@ struct Workspace {
 };
 
 // s[n, 0:2W] = scale * sum_d kt[n, d] * qt[d, 0:2W] for the kCols keys n of one block.
-template <int W>
+template <int LANES>
 SPECDEC_INLINE void score_block(const float* qt, const float* kt, int64_t D, int64_t Dp, int64_t Mp,
                                 float scale, float* s) {
-  using vfloat = typename Simd<W>::f;
-  constexpr int C = kCols<W>;
+  using vfloat = typename Simd<LANES>::f;
+  constexpr int C = kCols<LANES>;
   vfloat acc[C][2] = {};
   for (int64_t d = 0; d < D; ++d) {
-    const vfloat q0 = load<W>(qt + d * Mp), q1 = load<W>(qt + d * Mp + W);
+    const vfloat q0 = load<LANES>(qt + d * Mp), q1 = load<LANES>(qt + d * Mp + LANES);
     for (int c = 0; c < C; ++c) {  // a scalar operand: broadcast by the FMA itself
       acc[c][0] = q0 * kt[c * Dp + d] + acc[c][0];
       acc[c][1] = q1 * kt[c * Dp + d] + acc[c][1];
@@ -204,24 +204,24 @@ SPECDEC_INLINE void score_block(const float* qt, const float* kt, int64_t D, int
   }
   for (int c = 0; c < C; ++c) {
     store(s + c * Mp, acc[c][0] * scale);
-    store(s + c * Mp + W, acc[c][1] * scale);
+    store(s + c * Mp + LANES, acc[c][1] * scale);
   }
 }
 
 // ot[d, 0:2W] = alpha[0:2W] * ot[d, 0:2W] + sum_n vt[n, d] * p[n, 0:2W] for kCols head dims d.
-template <int W>
+template <int LANES>
 SPECDEC_INLINE void update_block(const float* p, const float* vt, int64_t nt, int64_t Dp,
                                  int64_t Mp, const float* alpha, float* ot) {
-  using vfloat = typename Simd<W>::f;
-  constexpr int C = kCols<W>;
-  const vfloat a0 = load<W>(alpha), a1 = load<W>(alpha + W);
+  using vfloat = typename Simd<LANES>::f;
+  constexpr int C = kCols<LANES>;
+  const vfloat a0 = load<LANES>(alpha), a1 = load<LANES>(alpha + LANES);
   vfloat acc[C][2];
   for (int c = 0; c < C; ++c) {
-    acc[c][0] = load<W>(ot + c * Mp) * a0;
-    acc[c][1] = load<W>(ot + c * Mp + W) * a1;
+    acc[c][0] = load<LANES>(ot + c * Mp) * a0;
+    acc[c][1] = load<LANES>(ot + c * Mp + LANES) * a1;
   }
   for (int64_t n = 0; n < nt; ++n) {
-    const vfloat p0 = load<W>(p + n * Mp), p1 = load<W>(p + n * Mp + W);
+    const vfloat p0 = load<LANES>(p + n * Mp), p1 = load<LANES>(p + n * Mp + LANES);
     for (int c = 0; c < C; ++c) {
       acc[c][0] = p0 * vt[n * Dp + c] + acc[c][0];
       acc[c][1] = p1 * vt[n * Dp + c] + acc[c][1];
@@ -229,7 +229,7 @@ SPECDEC_INLINE void update_block(const float* p, const float* vt, int64_t nt, in
   }
   for (int c = 0; c < C; ++c) {
     store(ot + c * Mp, acc[c][0]);
-    store(ot + c * Mp + W, acc[c][1]);
+    store(ot + c * Mp + LANES, acc[c][1]);
   }
 }
 
@@ -281,25 +281,25 @@ SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, int64_t b, i
 // Online softmax over one tile for rows [0, Mr): turns the scores s[0:nt, :] into
 // probabilities relative to the updated running max, and records in alpha how much o must
 // be rescaled. A row that has seen no key yet (max -inf) keeps o = 0, l = 0.
-template <int W>
+template <int LANES>
 SPECDEC_INLINE void softmax_tile(float* s, int64_t Mp, int64_t Mr, int64_t nt, float* mx, float* l,
                                  float* alpha) {
-  using vfloat = typename Simd<W>::f;
-  for (int64_t r = 0; r < Mr; r += W) {
-    const vfloat m_old = load<W>(mx + r);
+  using vfloat = typename Simd<LANES>::f;
+  for (int64_t r = 0; r < Mr; r += LANES) {
+    const vfloat m_old = load<LANES>(mx + r);
     vfloat m_new = m_old;
-    for (int64_t n = 0; n < nt; ++n) m_new = vmax(m_new, load<W>(s + n * Mp + r));
+    for (int64_t n = 0; n < nt; ++n) m_new = vmax(m_new, load<LANES>(s + n * Mp + r));
     // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
-    const vfloat sub = m_new == splat<W>(kNegInf) ? vfloat{} : m_new;
+    const vfloat sub = m_new == splat<LANES>(kNegInf) ? vfloat{} : m_new;
     vfloat sum = {};
     for (int64_t n = 0; n < nt; ++n) {
-      const vfloat e = exp2_nonpos<W>(load<W>(s + n * Mp + r) - sub);
+      const vfloat e = exp2_nonpos<LANES>(load<LANES>(s + n * Mp + r) - sub);
       store(s + n * Mp + r, e);
       sum += e;
     }
-    const vfloat a = exp2_nonpos<W>(m_old - sub);  // 0 when the running max was -inf
+    const vfloat a = exp2_nonpos<LANES>(m_old - sub);  // 0 when the running max was -inf
     store(alpha + r, a);
-    store(l + r, load<W>(l + r) * a + sum);
+    store(l + r, load<LANES>(l + r) * a + sum);
     store(mx + r, m_new);
   }
 }
@@ -312,11 +312,11 @@ SPECDEC_INLINE void reset_rows(Workspace& ws, int64_t Mp, int64_t Dp, int64_t Mr
 }
 
 // Runs the positions of split s of (b, h) in float; leaves unnormalised o^T, mx and l in ws.
-template <int W, typename scalar_t>
+template <int LANES, typename scalar_t>
 SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
                            int64_t s) {
-  constexpr int C = kCols<W>;
-  const int64_t M = P.rows(b), Mr = (M + 2 * W - 1) / (2 * W) * (2 * W);
+  constexpr int C = kCols<LANES>;
+  const int64_t M = P.rows(b), Mr = (M + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
   const int64_t D = P.D, Dp = P.Dp, Mp = P.Mp;
   for (int64_t m = 0; m < Mr; ++m) {  // padding rows: zero queries, harmless scores
     const scalar_t* src = m < M ? P.q_row(b, h, m) : nullptr;
@@ -329,16 +329,16 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
     stage_rows(P, P.k, P.k_stride, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, unused
     stage_rows(P, P.v, P.v_stride, ws.vt, b, h, p, nt);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    for (int64_t r = 0; r < Mr; r += 2 * W) {
+    for (int64_t r = 0; r < Mr; r += 2 * LANES) {
       for (int64_t j = 0; j < nk; j += C) {
-        score_block<W>(ws.qt + r, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + r);
+        score_block<LANES>(ws.qt + r, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + r);
       }
     }
     mask_tile(P, ws.s, b, p, nt);
-    softmax_tile<W>(ws.s, Mp, Mr, nt, ws.mx, ws.l, ws.alpha);
-    for (int64_t r = 0; r < Mr; r += 2 * W) {
+    softmax_tile<LANES>(ws.s, Mp, Mr, nt, ws.mx, ws.l, ws.alpha);
+    for (int64_t r = 0; r < Mr; r += 2 * LANES) {
       for (int64_t d = 0; d < Dp; d += C) {
-        update_block<W>(ws.s + r, ws.vt + d, nt, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+        update_block<LANES>(ws.s + r, ws.vt + d, nt, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
       }
     }
   }
@@ -346,7 +346,7 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
 
 // ---------------------------------------------------------------- few query rows
 // A plain decode step asks only group_size rows per KV head (T = 1: typically 1-8), which
-// fill 1-8 of the 2 * W lanes of the row-panel kernels above. For at most kFewRows rows of
+// fill 1-8 of the 2 * LANES lanes of the row-panel kernels above. For at most kFewRows rows of
 // float16 / bfloat16 (float32 stays on the panel kernels, see tree_verify_typed) the lanes
 // run over head dims instead: each K row is converted to float once and dotted with
 // every query row (one horizontal sum per score), each V row is added to every row's output
@@ -355,19 +355,19 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
 constexpr int64_t kFewRows = 8;
 constexpr int64_t kFewMaxD = 256;  // larger head dims take the panel kernels
 
-// Sum of the W lanes of v by halving (log2 W shuffles and adds).
-template <int W>
-SPECDEC_INLINE float reduce_add(typename Simd<W>::f v) {
-  if constexpr (W == 16) {
+// Sum of the lanes of v by halving (log2 LANES shuffles and adds).
+template <int LANES>
+SPECDEC_INLINE float reduce_add(typename Simd<LANES>::f v) {
+  if constexpr (LANES == 16) {
     const typename Simd<8>::f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
     const typename Simd<8>::f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     return reduce_add<8>(lo + hi);
-  } else if constexpr (W == 8) {
+  } else if constexpr (LANES == 8) {
     const typename Simd<4>::f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3);
     const typename Simd<4>::f hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
     return reduce_add<4>(lo + hi);
   } else {
-    static_assert(W == 4);
+    static_assert(LANES == 4);
     return (v[0] + v[2]) + (v[1] + v[3]);
   }
 }
@@ -375,10 +375,10 @@ SPECDEC_INLINE float reduce_add(typename Simd<W>::f v) {
 // The tree mask and the online softmax of one key tile for the M (<= kFewRows) rows of the
 // few-rows kernels: sc [M, kTile] scores (base 2, scaled) -> probabilities relative to the
 // updated running max mx; l updated; alpha[m]: how much row m's output must be rescaled.
-template <int W, typename scalar_t>
+template <int LANES, typename scalar_t>
 SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int64_t M, int64_t b,
                                      int64_t p, int64_t nt, float* mx, float* l, float* alpha) {
-  using vfloat = typename Simd<W>::f;
+  using vfloat = typename Simd<LANES>::f;
   const int64_t c = P.cache_lens[b];
   for (int64_t m = 0; m < M; ++m) {
     float* sm = sc + m * kTile;
@@ -392,22 +392,22 @@ SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int6
     // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
     const float sub = m_new == kNegInf ? 0.f : m_new;
     float sum = 0.f;
-    for (int64_t j = 0; j < nt; j += W) {  // sc rows are kTile long: whole vectors
-      const vfloat e = exp2_nonpos<W>(load<W>(sm + j) - sub);
+    for (int64_t j = 0; j < nt; j += LANES) {  // sc rows are kTile long: whole vectors
+      const vfloat e = exp2_nonpos<LANES>(load<LANES>(sm + j) - sub);
       store(sm + j, e);
-      for (int64_t i = 0; i < W && j + i < nt; ++i) sum += e[i];
+      for (int64_t i = 0; i < LANES && j + i < nt; ++i) sum += e[i];
     }
-    alpha[m] = exp2_nonpos<W>(splat<W>(mx[m] - sub))[0];
+    alpha[m] = exp2_nonpos<LANES>(splat<LANES>(mx[m] - sub))[0];
     l[m] = l[m] * alpha[m] + sum;
     mx[m] = m_new;
   }
 }
 
-template <int W, typename scalar_t>
+template <int LANES, typename scalar_t>
 SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
                                int64_t s) {
-  using vfloat = typename Simd<W>::f;
-  const int64_t M = P.rows(b), D = P.D, Dw = (D + W - 1) / W * W, Mp = P.Mp;
+  using vfloat = typename Simd<LANES>::f;
+  const int64_t M = P.rows(b), D = P.D, Dw = (D + LANES - 1) / LANES * LANES, Mp = P.Mp;
   alignas(64) float q[kFewRows * (kFewMaxD + 16)];  // [M, Dw], scaled, zero padded
   alignas(64) float o[kFewRows * (kFewMaxD + 16)];  // [M, Dw] unnormalised output
   alignas(64) float row[kFewMaxD + 16];             // one K or V row in float, zero padded
@@ -432,15 +432,16 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
       for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(kr[d]);
       for (int64_t m = 0; m < M; ++m) {
         vfloat acc = {};
-        for (int64_t d = 0; d < Dw; d += W) acc += load<W>(q + m * Dw + d) * load<W>(row + d);
-        sc[m * kTile + j] = reduce_add<W>(acc);
+        for (int64_t d = 0; d < Dw; d += LANES)
+          acc += load<LANES>(q + m * Dw + d) * load<LANES>(row + d);
+        sc[m * kTile + j] = reduce_add<LANES>(acc);
       }
     }
     float alpha[kFewRows];
-    few_rows_softmax<W>(P, sc, M, b, p, nt, mx, l, alpha);
+    few_rows_softmax<LANES>(P, sc, M, b, p, nt, mx, l, alpha);
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t d = 0; d < Dw; d += W) {
-        store(o + m * Dw + d, load<W>(o + m * Dw + d) * alpha[m]);
+      for (int64_t d = 0; d < Dw; d += LANES) {
+        store(o + m * Dw + d, load<LANES>(o + m * Dw + d) * alpha[m]);
       }
     }
     for (int64_t j = 0; j < nt; ++j) {
@@ -448,8 +449,8 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
       for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vr[d]);
       for (int64_t m = 0; m < M; ++m) {
         const float pj = sc[m * kTile + j];
-        for (int64_t d = 0; d < Dw; d += W) {
-          store(o + m * Dw + d, load<W>(o + m * Dw + d) + load<W>(row + d) * pj);
+        for (int64_t d = 0; d < Dw; d += LANES) {
+          store(o + m * Dw + d, load<LANES>(o + m * Dw + d) + load<LANES>(row + d) * pj);
         }
       }
     }

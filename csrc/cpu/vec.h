@@ -1,7 +1,7 @@
-// Vectors of the CPU kernels: GCC vector extensions of W lanes, and the helpers every kernel
-// uses on them. A kernel instantiates its loops for several W and compiles each instantiation
-// for one ISA with a target attribute (see isa.h), so everything here is always_inline: it
-// takes the target (and vector width) of the function it is inlined into.
+// Vectors of the CPU kernels: GCC vector extensions of LANES lanes (a template parameter), and the
+// helpers every kernel uses on them. A kernel instantiates its loops for several LANES and compiles
+// each instantiation for one ISA with a target attribute (see isa.h), so everything here is
+// always_inline: it takes the target (and vector width) of the function it is inlined into.
 #pragma once
 
 #include <cstdint>
@@ -18,32 +18,32 @@ namespace specdec {
 // pragmas and target attributes shape these helpers, so no two files may share one.
 namespace {
 
-// Vector types of W lanes (W a power of two).
-template <int W>
+// Vector types of LANES lanes (a power of two).
+template <int LANES>
 struct Simd {
-  typedef float f __attribute__((vector_size(W * sizeof(float))));
-  typedef double d __attribute__((vector_size(W * sizeof(double))));
-  typedef int32_t i32 __attribute__((vector_size(W * sizeof(int32_t))));
-  typedef uint64_t u64 __attribute__((vector_size(W * sizeof(uint64_t))));
+  typedef float f __attribute__((vector_size(LANES * sizeof(float))));
+  typedef double d __attribute__((vector_size(LANES * sizeof(double))));
+  typedef int32_t i32 __attribute__((vector_size(LANES * sizeof(int32_t))));
+  typedef uint64_t u64 __attribute__((vector_size(LANES * sizeof(uint64_t))));
 };
 
-// The vector of W lanes of float or double.
-template <int W, typename T>
+// The vector of LANES lanes of float or double.
+template <int LANES, typename T>
 using vec_t =
-    std::conditional_t<std::is_same_v<T, double>, typename Simd<W>::d, typename Simd<W>::f>;
+    std::conditional_t<std::is_same_v<T, double>, typename Simd<LANES>::d, typename Simd<LANES>::f>;
 
 // Every lane x.
-template <int W, typename T>
-SPECDEC_INLINE vec_t<W, T> splat(T x) {
+template <int LANES, typename T>
+SPECDEC_INLINE vec_t<LANES, T> splat(T x) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>);
-  return vec_t<W, T>{} + x;
+  return vec_t<LANES, T>{} + x;
 }
 
-// W elements from p (unaligned).
-template <int W, typename T>
-SPECDEC_INLINE vec_t<W, T> load(const T* p) {
+// LANES elements from p (unaligned).
+template <int LANES, typename T>
+SPECDEC_INLINE vec_t<LANES, T> load(const T* p) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>);
-  vec_t<W, T> v;
+  vec_t<LANES, T> v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
@@ -66,11 +66,11 @@ SPECDEC_INLINE V vmax(V a, V b) {
   return a > b ? a : b;
 }
 
-// Sum of the W lanes of v, lane 0 first.
-template <int W, typename V>
+// Sum of the lanes of v, lane 0 first.
+template <int LANES, typename V>
 SPECDEC_INLINE auto hsum(V v) {
   std::remove_cv_t<std::remove_reference_t<decltype(v[0])>> s = 0;
-  for (int j = 0; j < W; ++j) s += v[j];
+  for (int j = 0; j < LANES; ++j) s += v[j];
   return s;
 }
 
