@@ -118,7 +118,7 @@ def _step(
     """The traced body. tokens, positions: long [B, T] (positions = cache_lens + depth);
     rows: int64 [B * T] physical cache rows of nodes 0..T-1, sources: int64 [B * T] (write_kv's:
     padding writes nothing new); block_table: int32 [B, nb];
-    cache_lens, num_nodes: int32 [B]; tree_mask: int64 [B, T, W]; k_cache, v_cache:
+    cache_lens, num_nodes: int32 [B]; tree_mask: int64 [B, T, mask_words]; k_cache, v_cache:
     [L, num_blocks, block_size, Hkv, D] (written in place) -> logits [B, T, V] float32,
     hidden [B, T, dim], aux [B, T, len(feature_layers) * dim]."""
     B, T = tokens.shape
@@ -215,8 +215,8 @@ class CompiledStep:
             )
         if Tb != T:  # more padding nodes: past num_nodes, so neither written nor attended
             tokens, depth = F.pad(tokens, (0, Tb - T)), F.pad(depth, (0, Tb - T))
-            W = -(-Tb // 64)
-            tree_mask = F.pad(tree_mask, (0, W - tree_mask.shape[2], 0, Tb - T))
+            mask_words = -(-Tb // 64)
+            tree_mask = F.pad(tree_mask, (0, mask_words - tree_mask.shape[2], 0, Tb - T))
         cache_lens = cache.cache_lens[slots]
         node = torch.arange(Tb, device=tokens.device)[None]
         rows, _ = cache.rows(slots, cache_lens[:, None] + node)  # padding's rows: unused
