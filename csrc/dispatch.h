@@ -69,22 +69,27 @@
     __VA_ARGS__                                          \
   }
 
-// Head dim -> the next of 32 / 64 / 128 / 256 (the padded head dim a kernel is built for).
-#define SPECDEC_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM_PADDED, ...)                                                             \
-  do {                                                                                                                        \
-    const int64_t specdec_dispatch_hd = (head_dim);                                                                           \
-    SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 32, HEAD_DIM_PADDED, 32, __VA_ARGS__)                                     \
-    else SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 64, HEAD_DIM_PADDED, 64, __VA_ARGS__) else SPECDEC_PRIVATE_INT_CASE( \
-        specdec_dispatch_hd <= 128, HEAD_DIM_PADDED, 128,                                                                     \
-        __VA_ARGS__) else SPECDEC_PRIVATE_INT_CASE(specdec_dispatch_hd <= 256, HEAD_DIM_PADDED,                               \
-                                                   256,                                                                       \
-                                                   __VA_ARGS__) else TORCH_CHECK(false,                                       \
-                                                                                 "specdec: ",                                 \
-                                                                                 __func__,                                    \
-                                                                                 " supports head "                            \
-                                                                                 "dims up to "                                \
-                                                                                 "256, got ",                                 \
-                                                                                 specdec_dispatch_hd);                        \
+// The padded head dim PADDED takes the head dims in (PADDED / 2, PADDED] (32: all up to 32).
+#define SPECDEC_PRIVATE_HEAD_DIM_CASE(PADDED, NAME, ...)                                         \
+  SPECDEC_PRIVATE_INT_CASE(                                                                      \
+      (PADDED == 32 || specdec_dispatch_hd > PADDED / 2) && specdec_dispatch_hd <= PADDED, NAME, \
+      PADDED, __VA_ARGS__)
+
+// Head dim -> the next of 32 / 64 / 128 / 256 / 512 (the padded head dim a kernel is built
+// for). Larger head dims throw: a kernel that takes them needs its own path (tree_verify's CUDA
+// launcher checks before dispatching).
+#define SPECDEC_DISPATCH_HEAD_DIM(head_dim, HEAD_DIM_PADDED, ...)            \
+  do {                                                                       \
+    const int64_t specdec_dispatch_hd = (head_dim);                          \
+    TORCH_CHECK(specdec_dispatch_hd <= 512, "specdec: ", __func__,           \
+                " supports head dims up to 512, got ", specdec_dispatch_hd); \
+    {                                                                        \
+      SPECDEC_PRIVATE_HEAD_DIM_CASE(32, HEAD_DIM_PADDED, __VA_ARGS__)        \
+      SPECDEC_PRIVATE_HEAD_DIM_CASE(64, HEAD_DIM_PADDED, __VA_ARGS__)        \
+      SPECDEC_PRIVATE_HEAD_DIM_CASE(128, HEAD_DIM_PADDED, __VA_ARGS__)       \
+      SPECDEC_PRIVATE_HEAD_DIM_CASE(256, HEAD_DIM_PADDED, __VA_ARGS__)       \
+      SPECDEC_PRIVATE_HEAD_DIM_CASE(512, HEAD_DIM_PADDED, __VA_ARGS__)       \
+    }                                                                        \
   } while (0)
 
 #define SPECDEC_PRIVATE_UNIT_CASE(COND, UNIT_T, Unit, ...) \

@@ -97,6 +97,10 @@ def tree_verify(
 
     Returns:
         [B, T, Hq, D] in q's dtype, contiguous; rows i >= num_nodes[b] are zero.
+
+    Any head dim D >= 1 is accepted. The CUDA C++ kernel pads D to 32 / 64 / 128 / 256 / 512
+    in its tiled kernel; D > 512 runs a slower generic CUDA kernel (no K/V reuse across the
+    query heads of a KV head).
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5

@@ -1,6 +1,8 @@
 // compact_kv on CUDA: one launch for every layer, K and V, and request.
 //
-// CTA (b, layer, K-or-V) moves the accepted path of request b in that layer's cache;
+// CTA (b, layer, K-or-V) moves the accepted path of request b in that layer's cache (requests
+// on gridDim.x; layers on gridDim.y, at most 65535 of them, so a CTA loops over the layers
+// layer, layer + gridDim.y, ... and any L works);
 // its threads split a cache row (Hkv * D elements) into fixed columns, and each thread
 // copies its columns for k = 0, 1, ..., num_accepted in increasing order. Node ids along a
 // root path increase, so source cache_lens + a[k] >= destination cache_lens + k and no
@@ -19,6 +21,8 @@
 namespace specdec {
 namespace cuda {
 namespace {
+
+constexpr int64_t kMaxGridY = 65535;  // gridDim.y limit: more layers are looped over
 
 // Strides of one cache, in bytes before launch() and in units after:
 // layer, block, row in block, head.
@@ -39,6 +43,7 @@ struct CompactParams {
   int num_blocks, block_size;     // cache blocks, positions per block
   int max_blocks;                 // block table entries per request
   int T;
+  int64_t L;  // layers
 };
 
 // Offset (in units, within one layer) of logical position pos of request b, or -1 if unmapped.
@@ -54,27 +59,30 @@ __device__ __forceinline__ int64_t physical_row(const CompactParams& p, const St
 // picked by SPECDEC_DISPATCH_VEC_BYTES).
 template <typename Unit>
 __global__ void compact_kv_kernel(const CompactParams p) {
-  const int b = blockIdx.x, layer = blockIdx.y;
+  const int b = blockIdx.x;
   const Strides& s = blockIdx.z == 0 ? p.ks : p.vs;
-  Unit* cache = static_cast<Unit*>(blockIdx.z == 0 ? p.k : p.v) + layer * s.layer;
   const int m = min(max(p.num_accepted[b], 0), p.T - 1);
   const int64_t c = p.cache_lens[b];
-  for (int k = 0; k <= m; ++k) {
-    const int a = p.accepted_nodes[int64_t(b) * p.T + k];
-    if (a == k) continue;  // already in place (the root always is)
-    const int64_t src = physical_row(p, s, b, c + a), dst = physical_row(p, s, b, c + k);
-    if (src < 0 || dst < 0) continue;
-    const Unit* from = cache + src;
-    Unit* to = cache + dst;
-    for (int e = threadIdx.x; e < p.row_units; e += blockDim.x) {
-      const int64_t off = int64_t(e / p.head_units) * s.head + e % p.head_units;
-      to[off] = from[off];
+  // The same moves in every layer this CTA covers, each on that layer's cache.
+  for (int64_t layer = blockIdx.y; layer < p.L; layer += gridDim.y) {
+    Unit* cache = static_cast<Unit*>(blockIdx.z == 0 ? p.k : p.v) + layer * s.layer;
+    for (int k = 0; k <= m; ++k) {
+      const int a = p.accepted_nodes[int64_t(b) * p.T + k];
+      if (a == k) continue;  // already in place (the root always is)
+      const int64_t src = physical_row(p, s, b, c + a), dst = physical_row(p, s, b, c + k);
+      if (src < 0 || dst < 0) continue;
+      const Unit* from = cache + src;
+      Unit* to = cache + dst;
+      for (int e = threadIdx.x; e < p.row_units; e += blockDim.x) {
+        const int64_t off = int64_t(e / p.head_units) * s.head + e % p.head_units;
+        to[off] = from[off];
+      }
     }
   }
 }
 
 template <typename Unit>
-void launch(const CompactParams& base, int64_t head_bytes, int64_t Hkv, int64_t B, int64_t L) {
+void launch(const CompactParams& base, int64_t head_bytes, int64_t Hkv, int64_t B) {
   CompactParams p = base;
   p.head_units = int(head_bytes / sizeof(Unit));
   p.row_units = int(Hkv * p.head_units);
@@ -85,7 +93,7 @@ void launch(const CompactParams& base, int64_t head_bytes, int64_t Hkv, int64_t 
     s->head /= int64_t(sizeof(Unit));
   }
   const int threads = int(std::min<int64_t>(256, ceil_div(p.row_units, kWarpSize) * kWarpSize));
-  const dim3 grid(unsigned(B), unsigned(L), 2);
+  const dim3 grid(unsigned(B), unsigned(std::min<int64_t>(p.L, kMaxGridY)), 2);
   compact_kv_kernel<Unit><<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -107,8 +115,11 @@ void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
   const int64_t row_bytes = Hkv * head_bytes;
   const int64_t B = block_table.size(0), max_blocks = block_table.size(1);
   const int64_t T = accepted_nodes.size(1);
+  // An empty batch, cache or row (B, L, Hkv or D = 0) moves nothing: no launch, whose grid
+  // dimension would be 0.
   if (B == 0 || L == 0 || row_bytes == 0) return;
-  TORCH_CHECK(L <= 65535, "compact_kv (CUDA): at most 65535 layers, got ", L);
+  TORCH_CHECK(B < (int64_t(1) << 31),
+              "compact_kv (CUDA): the batch size B of block_table must be < 2^31, got ", B);
   TORCH_CHECK(row_bytes < (int64_t(1) << 31) && num_blocks < (int64_t(1) << 31) &&
                   block_size < (int64_t(1) << 31) && max_blocks < (int64_t(1) << 31),
               "compact_kv (CUDA): cache dimensions too large");
@@ -126,14 +137,15 @@ void compact_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor&
                         int(num_blocks),
                         int(block_size),
                         int(max_blocks),
-                        int(T)};
+                        int(T),
+                        L};
   // The widest unit that divides the head size, every stride and the alignment of both caches.
   uintptr_t align = reinterpret_cast<uintptr_t>(k_cache.data_ptr()) |
                     reinterpret_cast<uintptr_t>(v_cache.data_ptr()) | uintptr_t(head_bytes);
   for (const cuda::Strides& s : {p.ks, p.vs}) {
     align |= uintptr_t(s.layer) | uintptr_t(s.block) | uintptr_t(s.row) | uintptr_t(s.head);
   }
-  SPECDEC_DISPATCH_VEC_BYTES(align, Unit, { cuda::launch<Unit>(p, head_bytes, Hkv, B, L); });
+  SPECDEC_DISPATCH_VEC_BYTES(align, Unit, { cuda::launch<Unit>(p, head_bytes, Hkv, B); });
 }
 
 }  // namespace specdec

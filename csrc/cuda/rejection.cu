@@ -18,15 +18,22 @@
 // float16 / bfloat16 (SPECDEC_DISPATCH_FLOAT_DTYPE); draft_probs of another floating dtype
 // are converted to float32 first.
 //
-// Rows the CPU kernel and the reference reject (documented fallback, no error is possible
-// on the device without a host sync): NaN logits count as -inf; a row whose maximum is
-// +inf puts equal weight on its +inf entries; a row with no finite or +inf entry (all -inf
-// or NaN) is uniform over V before top-k / top-p (greedy: token 0). Out-of-range draft
-// tokens are always rejected; num_nodes is clamped to [1, T] and a walk never records more
-// than T nodes, so malformed trees give wrong samples, never out-of-bounds accesses.
+// Rows the CPU kernel and the reference reject (NaN, +inf or only -inf logits in a row the walk
+// visits): the kernel records the first such node of request b in bad_node[b] (-1: none; a
+// fill, so the launch stays CUDA-graph capturable) and the host raises the CPU kernel's error
+// when values are checked (should_check_values: SPECDEC_VALIDATE=1 on CUDA, since reading
+// bad_node is a host sync), as the Triton kernel does. Otherwise the documented fallback
+// applies: NaN logits count as -inf; a row whose maximum is +inf puts equal weight on its +inf
+// entries; a row with no finite or +inf entry (all -inf or NaN) is uniform over V before
+// top-k / top-p (greedy: token 0). Out-of-range draft tokens are always rejected; num_nodes is
+// clamped to [1, T] and a walk never records more than T nodes, so malformed trees give wrong
+// samples, never out-of-bounds accesses.
+// Element loops over V run on int64 counters: V may be up to 2^31 - 1 (checks.cpp), and an int
+// counter would overflow on its last step (t + kThreads) past INT_MAX.
 #include <climits>
 #include <cmath>
 
+#include "checks.h"
 #include "cuda/common.cuh"
 #include "dispatch.h"
 #include "numeric_constants.h"
@@ -58,6 +65,7 @@ struct SampleParams {
   int32_t* accepted_nodes;      // [B, T]
   int32_t* num_accepted;        // [B]
   int32_t* output_tokens;       // [B, T]
+  int32_t* bad_node;            // [B]: first visited node whose logits row is bad (pre-filled -1)
   int T, V;
 };
 
@@ -75,6 +83,12 @@ struct ArgMaxOp {  // larger value wins, ties go to the lower index (symmetric, 
     return a.index < b.index ? a : b;
   }
 };
+
+// NaN or +inf: a logit that makes its row bad (with only -inf entries the other way to be).
+__device__ __forceinline__ bool nan_or_pos_inf(float x) {
+  const uint32_t bits = __float_as_uint(x);
+  return (bits & 0x7fffffffu) > 0x7f800000u || bits == 0x7f800000u;
+}
 
 // NaN -> -inf and -0 -> +0, so that equal logits have equal keys below.
 __device__ __forceinline__ float sanitize(float x) {
@@ -116,7 +130,7 @@ __device__ uint32_t threshold_key(int V, uint64_t limit, KeyWeight key_weight, u
   while (lo < hi) {
     const uint32_t mid = lo + (hi - lo) / 2;
     uint64_t above = 0;
-    for (int t = threadIdx.x; t < V; t += kThreads) {
+    for (int64_t t = threadIdx.x; t < V; t += kThreads) {
       uint32_t key;
       uint64_t weight;
       key_weight(t, key, weight);
@@ -132,33 +146,48 @@ __device__ uint32_t threshold_key(int V, uint64_t limit, KeyWeight key_weight, u
 }
 
 // r <- the processed target distribution p_u of node u (unnormalised); returns sum(r) > 0.
+// bad_row <- whether the row has a NaN or +inf entry or only -inf entries (the same in every
+// thread; the distribution is then the fallback of the header).
 template <typename logit_t, typename prob_t>
 __device__ float target_dist(const SampleParams<logit_t, prob_t>& p, int b, int u, float* r,
-                             uint64_t* red) {
+                             uint64_t* red, bool& bad_row) {
   __syncthreads();  // every thread is done reading the previous residual
   const int V = p.V;
   const int64_t row = (int64_t(b) * p.T + u) * V;
-  const auto logit = [&](int t) { return sanitize(to_float(p.logits[row + t])); };
+  const auto raw_logit = [&](int64_t t) { return to_float(p.logits[row + t]); };
+  const auto logit = [&](int64_t t) { return sanitize(raw_logit(t)); };
   const float temperature = p.temperature[b];
+  int nonfinite = 0;           // this thread saw a NaN or +inf logit
   if (!(temperature > 0.f)) {  // greedy
     ArgMax best{-INFINITY, INT_MAX};
-    for (int t = threadIdx.x; t < V; t += kThreads) best = ArgMaxOp()(best, ArgMax{logit(t), t});
-    const int argmax = block_reduce(best, ArgMaxOp(), reinterpret_cast<ArgMax*>(red)).index;
-    for (int t = threadIdx.x; t < V; t += kThreads) r[t] = t == argmax ? 1.f : 0.f;
+    for (int64_t t = threadIdx.x; t < V; t += kThreads) {
+      const float x = raw_logit(t);
+      nonfinite |= nan_or_pos_inf(x);
+      best = ArgMaxOp()(best, ArgMax{sanitize(x), int(t)});
+    }
+    best = block_reduce(best, ArgMaxOp(), reinterpret_cast<ArgMax*>(red));
+    bad_row = block_reduce(nonfinite, MaxInt(), reinterpret_cast<int*>(red)) != 0 ||
+              best.value == -INFINITY;
+    for (int64_t t = threadIdx.x; t < V; t += kThreads) r[t] = t == best.index ? 1.f : 0.f;
     __syncthreads();
     return 1.f;
   }
 
   float m = -INFINITY;
-  for (int t = threadIdx.x; t < V; t += kThreads) m = fmaxf(m, logit(t));
+  for (int64_t t = threadIdx.x; t < V; t += kThreads) {
+    const float x = raw_logit(t);
+    nonfinite |= nan_or_pos_inf(x);
+    m = fmaxf(m, sanitize(x));
+  }
   m = block_reduce(m, Max(), reinterpret_cast<float*>(red));
+  bad_row = block_reduce(nonfinite, MaxInt(), reinterpret_cast<int*>(red)) != 0 || m == -INFINITY;
 
   const int top_k = p.top_k[b];
   uint32_t min_key_k = 0u;  // top-k off: every key passes
   if (top_k > 0 && top_k < V) {
     min_key_k = threshold_key(
         V, uint64_t(top_k),
-        [&](int t, uint32_t& key, uint64_t& weight) {
+        [&](int64_t t, uint32_t& key, uint64_t& weight) {
           key = order_key(logit(t));
           weight = 1;
         },
@@ -167,7 +196,7 @@ __device__ float target_dist(const SampleParams<logit_t, prob_t>& p, int b, int 
   const float scale_log2 = kLog2e / temperature;
   float sum = 0.f;
   uint64_t mass = 0;
-  for (int t = threadIdx.x; t < V; t += kThreads) {
+  for (int64_t t = threadIdx.x; t < V; t += kThreads) {
     const float l = logit(t);
     const float w = order_key(l) >= min_key_k ? softmax_weight(l, m, scale_log2) : 0.f;
     r[t] = w;
@@ -182,14 +211,14 @@ __device__ float target_dist(const SampleParams<logit_t, prob_t>& p, int b, int 
       std::max<uint64_t>(1, static_cast<uint64_t>(ceil(double(fmaxf(top_p, 0.f)) * double(total))));
   const uint32_t min_key_p = threshold_key(
       V, limit,
-      [&](int t, uint32_t& key, uint64_t& weight) {
+      [&](int64_t t, uint32_t& key, uint64_t& weight) {
         const float w = r[t];
         key = order_key(w);
         weight = mass_units(w);
       },
       red);
   sum = 0.f;
-  for (int t = threadIdx.x; t < V; t += kThreads) {
+  for (int64_t t = threadIdx.x; t < V; t += kThreads) {
     float w = r[t];
     if (order_key(w) < min_key_p) r[t] = w = 0.f;
     sum += w;
@@ -206,10 +235,10 @@ __device__ float reject(const SampleParams<logit_t, prob_t>& p, int b, int u, in
   if (p.draft_probs == nullptr) {  // point mass: r(x) <- 0
     if (threadIdx.x == 0 && x >= 0 && x < p.V) r[x] = 0.f;
     __syncthreads();
-    for (int t = threadIdx.x; t < p.V; t += kThreads) sum += r[t];
+    for (int64_t t = threadIdx.x; t < p.V; t += kThreads) sum += r[t];
   } else {  // r <- max(r / sum(r) - q_u, 0)
     const int64_t row = (int64_t(b) * p.T + u) * p.V;
-    for (int t = threadIdx.x; t < p.V; t += kThreads) {
+    for (int64_t t = threadIdx.x; t < p.V; t += kThreads) {
       const float w = fmaxf(r[t] / R - to_float(p.draft_probs[row + t]), 0.f);
       r[t] = w;
       sum += w;
@@ -270,8 +299,8 @@ __device__ int sample(const SampleParams<logit_t, prob_t>& p, float R, float u, 
     running += chunk_total;
   }
   int last = -1;
-  for (int t = threadIdx.x; t < p.V; t += kThreads) {
-    if (r[t] > 0.f) last = t;
+  for (int64_t t = threadIdx.x; t < p.V; t += kThreads) {
+    if (r[t] > 0.f) last = int(t);
   }
   last = block_reduce(last, MaxInt(), reinterpret_cast<int*>(red));
   return last >= 0 ? last : 0;
@@ -297,7 +326,9 @@ __global__ void __launch_bounds__(kThreads)
   // All threads take every branch below together: each decision depends only on values
   // that block reductions broadcast or on the same global reads in every thread.
   int u = 0, len = 1;
-  float R = target_dist(p, b, u, r, red);
+  bool bad_row = false;
+  float R = target_dist(p, b, u, r, red, bad_row);
+  int first_bad = bad_row ? u : -1;  // the first visited node whose row is bad
   while (len < T) {
     int next = -1;
     for (int c = 1; c < n; ++c) {  // children of u in index order
@@ -314,7 +345,8 @@ __global__ void __launch_bounds__(kThreads)
         break;
       }
       R = reject(p, b, u, x, R, r, red);
-      if (!(R > 0.f)) R = target_dist(p, b, u, r, red);  // r lost all mass: reset to p_u
+      // r lost all mass: reset to p_u (row u was checked when the walk reached u)
+      if (!(R > 0.f)) R = target_dist(p, b, u, r, red, bad_row);
     }
     if (next < 0) break;
     u = next;
@@ -323,12 +355,14 @@ __global__ void __launch_bounds__(kThreads)
       out[len - 1] = tokens[u];
     }
     ++len;
-    R = target_dist(p, b, u, r, red);
+    R = target_dist(p, b, u, r, red, bad_row);
+    if (bad_row && first_bad < 0) first_bad = u;
   }
   const int bonus = sample(p, R, uniforms[T], r, red);
   if (threadIdx.x == 0) {
     out[len - 1] = bonus;
     p.num_accepted[b] = len - 1;
+    if (first_bad >= 0) p.bad_node[b] = first_bad;
   }
 }
 
@@ -344,10 +378,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
   const at::cuda::OptionalCUDAGuard guard(target_logits.device());
   const int64_t B = target_logits.size(0), T = target_logits.size(1), V = target_logits.size(2);
   TORCH_CHECK(T < (int64_t(1) << 30), "tree_rejection_sample (CUDA): T = ", T, " is too large");
+  TORCH_CHECK(B < (int64_t(1) << 31),
+              "tree_rejection_sample (CUDA): the batch size B of target_logits must be < 2^31, "
+              "got ",
+              B);
   const auto iopts = target_logits.options().dtype(at::kInt);
   at::Tensor accepted_nodes = at::empty({B, T}, iopts);
   at::Tensor num_accepted = at::empty({B}, iopts);
   at::Tensor output_tokens = at::empty({B, T}, iopts);
+  at::Tensor bad_node = at::full({B}, -1, iopts);  // a fill: no sync, capturable
   at::Tensor resid = at::empty({B, V}, target_logits.options().dtype(at::kFloat));
   at::Tensor dp;
   if (draft_probs.has_value()) {
@@ -372,6 +411,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
       p.accepted_nodes = accepted_nodes.data_ptr<int32_t>();
       p.num_accepted = num_accepted.data_ptr<int32_t>();
       p.output_tokens = output_tokens.data_ptr<int32_t>();
+      p.bad_node = bad_node.data_ptr<int32_t>();
       p.T = int(T);
       p.V = int(V);
       tree_rejection_sample_kernel<logit_t, prob_t>
@@ -379,6 +419,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
+  if (should_check_values(target_logits)) {  // SPECDEC_VALIDATE=1: the host sync is allowed
+    const at::Tensor bad = bad_node.cpu();
+    const int32_t* node = bad.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      // The CPU kernel's message (csrc/cpu/rejection.cpp, check_row), so both raise alike.
+      TORCH_CHECK(node[b] < 0, "target_logits[", b, ", ", node[b],
+                  "] has NaN, +inf or only -inf entries (a row the rejection walk visits must "
+                  "have a finite maximum)");
+    }
+  }
   return {accepted_nodes, num_accepted, output_tokens};
 }
 

@@ -48,9 +48,11 @@ std::tuple<at::Tensor, at::Tensor> build_tree_mask_cuda(const at::Tensor& parent
   const at::cuda::OptionalCUDAGuard guard(parents.device());
   const int64_t B = parents.size(0), T = parents.size(1), mask_words = (T + 63) / 64;
   TORCH_CHECK(T * mask_words < (int64_t(1) << 31), "build_tree_mask: T = ", T, " is too large");
+  TORCH_CHECK(B < (int64_t(1) << 31),
+              "build_tree_mask (CUDA): the batch size B of parents must be < 2^31, got ", B);
   at::Tensor mask = at::empty({B, T, mask_words}, parents.options().dtype(at::kLong));
   at::Tensor depth = at::empty({B, T}, parents.options().dtype(at::kInt));
-  if (B == 0) return {mask, depth};
+  if (B == 0) return {mask, depth};  // no launch: its grid would be empty
   cuda::build_tree_mask_kernel<<<B, cuda::kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       parents.data_ptr<int32_t>(), num_nodes.data_ptr<int32_t>(),
       reinterpret_cast<uint64_t*>(mask.data_ptr<int64_t>()), depth.data_ptr<int32_t>(), int(T),

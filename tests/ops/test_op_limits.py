@@ -4,7 +4,9 @@ Each case once crashed, wrote out of bounds, silently truncated or returned NaN:
   1. compact_kv on a cache with block_size 0 died of SIGFPE;
   2. positions near 2^31 overflowed int32 inside the kernels (compact_kv wrote before k_cache);
   3. int64 index values past int32 were narrowed before the checks (2^32 became 0);
-  4. a finite but huge sm_scale overflowed the float32 scores to NaN.
+  4. a finite but huge sm_scale overflowed the float32 scores to NaN;
+  5. the CUDA launchers divided by a zero size (Hq = 0), refused batches and layer counts past
+     gridDim.y / z's 65535 and head dims past 256.
 Cases that could crash the interpreter run in a subprocess.
 """
 
@@ -321,3 +323,95 @@ def test_tree_verify_extreme_sm_scale_matches_reference(sm_scale, device, backen
     )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double().cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- 5. zero sizes, grid limits
+# Shapes the checks accept that once broke the CUDA launchers: a zero-sized dimension made a
+# grid dimension 0 or a divisor 0, and the batch or the layers sat on gridDim.y / z (<= 65535).
+@pytest.mark.parametrize("backend", ["cpp", "reference"])  # Triton: ZeroDivisionError (open)
+def test_tree_verify_zero_query_heads(device, backend):
+    """q [B, T, 0, D] passes the checks (0 is a multiple of Hkv): an empty output, as on CPU.
+    In a subprocess: the CUDA launcher once divided by group_size = 0 (SIGFPE)."""
+    proc = run_isolated(f"""
+        import torch, specdec_kernels as sk
+        dev = "{device}"
+        i32 = dict(dtype=torch.int32, device=dev)
+        q = torch.randn(1, 2, 0, 8, device=dev)
+        k = torch.randn(2, 4, 1, 8, device=dev)
+        mask = torch.tensor([[[1], [3]]], dtype=torch.int64, device=dev)
+        out = sk.tree_verify(q, k, torch.randn_like(k), torch.zeros(1, 2, **i32),
+                             torch.tensor([3], **i32), torch.tensor([2], **i32), mask,
+                             backend="{backend}")
+        assert out.shape == (1, 2, 0, 8) and out.dtype == q.dtype, (out.shape, out.dtype)
+        assert out.device == q.device, out.device
+        print("empty output")
+    """)
+    assert "empty output" in proc.stdout, proc.stderr[-2000:]
+
+
+def _verify_against_reference(B, T, Hq, Hkv, D, block_size, cache_lens, device, backend, tol):
+    """Random chain trees of T nodes (the last request's tree one node short, so a row is
+    padding) over a paged cache; the output against the float64 reference."""
+    num_nodes = torch.full((B,), T, dtype=torch.int32)
+    num_nodes[-1] = max(T - 1, 1)
+    parents = torch.arange(-1, T - 1, dtype=torch.int32).expand(B, T).contiguous()
+    tree_mask, _ = reference.build_tree_mask(parents, num_nodes)
+    cache_lens = torch.as_tensor(cache_lens, dtype=torch.int32)
+    max_blocks = (int((cache_lens + num_nodes).max()) + block_size - 1) // block_size
+    num_blocks = B * max_blocks
+    block_table = torch.randperm(num_blocks, dtype=torch.int32).view(B, max_blocks)
+    p = {
+        "q": torch.randn(B, T, Hq, D),
+        "k_cache": torch.randn(num_blocks, block_size, Hkv, D),
+        "v_cache": torch.randn(num_blocks, block_size, Hkv, D),
+        "block_table": block_table,
+        "cache_lens": cache_lens,
+        "num_nodes": num_nodes,
+        "tree_mask": tree_mask,
+        "sm_scale": D**-0.5,
+    }
+    want = reference.tree_verify(
+        *(p[k].double() if k in ("q", "k_cache", "v_cache") else p[k] for k in p)
+    )
+    got = sk.tree_verify(
+        **{k: v.to(device) if torch.is_tensor(v) else v for k, v in p.items()}, backend=backend
+    )
+    assert got.shape == (B, T, Hq, D) and got.device.type == device.type
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("T, D", [(3, 512), (20, 300), (3, 513), (20, 1000)])
+def test_tree_verify_head_dims_past_256(T, D, device):
+    """Any head dim works in the C++ kernels, as the checks, the CPU kernel and the reference
+    allow: on CUDA, D <= 512 takes the tiled kernel's widest instantiation (T = 20: 40 query
+    rows per KV head, more than one row tile), larger D the generic kernel. Contexts of many
+    key tiles (several splits on a GPU), one of them empty; GQA groups of 2."""
+    _verify_against_reference(3, T, 4, 2, D, 16, [700, 45, 0], device, "cpp", 1e-4)
+
+
+def test_tree_verify_batch_past_65535(device):
+    """A batch past gridDim.y / z's 65535 (the CUDA kernel once had the batch on gridDim.z and
+    refused it). C++ backend only: 65536 Triton programs are too slow under TRITON_INTERPRET."""
+    B = 65536 + 3
+    cache_lens = torch.randint(0, 6, (B,))
+    _verify_against_reference(B, 1, 2, 1, 8, 4, cache_lens, device, "cpp", 1e-4)
+
+
+def test_compact_kv_layers_past_65535(device):
+    """More layers than gridDim.y's 65535 (the CUDA kernel once refused them): every layer's
+    path is moved. Tiny rows keep the cache small; C++ backend against the reference."""
+    L = 65535 + 2
+    k = torch.randn(L, 2, 4, 1, 2, device=device)
+    v = torch.randn(L, 2, 4, 1, 2, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    args = (
+        torch.tensor([[1, 0]], **i32),
+        torch.tensor([1], **i32),
+        torch.tensor([[0, 2, 3, -1]], **i32),
+        torch.tensor([2], **i32),
+    )
+    want_k, want_v = k.clone(), v.clone()
+    sk.compact_kv(want_k, want_v, *args, backend="reference")
+    assert not torch.equal(want_k[-1], k[-1])  # the last layer has something to move
+    sk.compact_kv(k, v, *args, backend="cpp")
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
