@@ -1,6 +1,7 @@
 // tree_verify on CPU: flash-decoding style tree attention over a paged KV cache.
 //
-// One task per (request b, KV head h, split s of the key positions). All M = num_nodes[b] *
+// One task per (request b, KV head h), or per (b, h, segment) when those cannot occupy the
+// threads (see tree_verify_typed). All M = num_nodes[b] *
 // group_size query rows that share KV head h (GQA, group_size = Hq / Hkv; row m is tree node
 // m / group_size, query head h * group_size + m % group_size) are processed together, so each
 // K / V row is read from the cache once per KV head. The vector lanes run over query rows:
@@ -12,8 +13,10 @@
 // Keys are staged tile by tile (kTile positions, resolved through the block table) into
 // small thread-local buffers, converted to float. Prefix positions (< cache_lens[b]) are
 // visible to every row; tree positions only where the row's tree_mask bit is set (tree_mask
-// rows are mask_words = ceil(T / 64) 64-bit words). When B * Hkv tasks cannot occupy the
-// threads, the positions are split and the partial (O, max, sum) merged afterwards.
+// rows are mask_words = ceil(T / 64) 64-bit words). The keys are taken in segments of
+// kSegment positions, each a fresh online softmax whose (O, max, sum) is folded into the
+// row's result in order: the same bits whether the segments ran in one task or in parallel
+// tasks, whatever the batch, the thread count or the tree's size.
 //
 // The float loops use vectors of LANES float lanes (vec.h), compiled for AVX-512 (LANES = 16),
 // for AVX2 + FMA (LANES = 8) and for the baseline ISA (LANES = 4, SSE2 on x86-64). bfloat16
@@ -58,10 +61,16 @@ namespace {
 // (+ 3 operands) fill but do not overflow the 32 zmm or 16 ymm / xmm registers.
 template <int LANES>
 constexpr int kCols = LANES == 16 ? 8 : 4;
-constexpr int kMaxCols = 8;         // the largest kCols: head dims are padded to it
-constexpr int kMaxPanel = 32;       // 2 * the widest LANES: rows are padded to it
-constexpr int64_t kTile = 64;       // key positions staged at a time (even, a multiple of kMaxCols)
-constexpr int64_t kMinSplit = 256;  // fewest positions worth a split of their own
+constexpr int kMaxCols = 8;    // the largest kCols: head dims are padded to it
+constexpr int kMaxPanel = 32;  // 2 * the widest LANES: rows are padded to it
+constexpr int64_t kTile = 64;  // key positions staged at a time (even, a multiple of kMaxCols)
+// Keys are taken in segments of kSegment positions (fixed, from position 0): each from a
+// fresh online softmax, folded into the row's result in order (fold_segment). A split over
+// threads is a segment: the same bits whichever way the segments are run (see
+// tree_verify_typed).
+constexpr int64_t kSegment = 256;
+constexpr int64_t kMinSplitSegments = 4;                // fewest segments worth a task each
+constexpr int64_t kPartialsBudget = int64_t(64) << 20;  // bytes of segment partials, at most
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // 2^x for x <= 0 (a score minus its row max), ~1 ulp; exactly 0 below -126 and for -inf.
@@ -111,7 +120,6 @@ struct Problem {
   int block_shift;      // log2(block_size) when a power of two, else -1
   int64_t max_blocks;   // block table entries per request
   int64_t mask_words;   // 64-bit words per tree_mask row: ceil(T / 64)
-  int64_t num_splits;   // position splits per request
   float scale;          // sm_scale * log2(e)
   int64_t Dp;           // D padded to kMaxCols
   int64_t Mp;           // the most rows of any task, T * group_size, padded to kMaxPanel
@@ -145,12 +153,11 @@ struct Problem {
   int64_t out_offset(int64_t b, int64_t h, int64_t m) const {
     return ((b * T + m / group_size) * Hq + h * group_size + m % group_size) * D;
   }
-  // [p0, p1): the key positions of split s of request b (tile aligned, possibly empty).
+  // [p0, p1): the key positions of segment s of request b (tile aligned, possibly empty).
   std::pair<int64_t, int64_t> split_range(int64_t b, int64_t s) const {
     const int64_t len = length(b);
-    const int64_t chunk = ((len + num_splits - 1) / num_splits + kTile - 1) / kTile * kTile;
-    const int64_t p0 = std::min(s * chunk, len);
-    return {p0, std::min(p0 + chunk, len)};
+    const int64_t p0 = std::min(s * kSegment, len);
+    return {p0, std::min(p0 + kSegment, len)};
   }
 };
 
@@ -168,7 +175,7 @@ struct Workspace {
     return p;
   }
   Workspace(int64_t Mp, int64_t Dp) {
-    const int64_t bytes = 4 * (2 * Dp * Mp + kTile * Mp + 2 * kTile * Dp + 3 * Mp) +
+    const int64_t bytes = 4 * (2 * Dp * Mp + kTile * Mp + 2 * kTile * Dp + 16 * kTile + 3 * Mp) +
                           4 * (Dp / 2 * Mp + kTile * Dp / 2 + kTile / 2 * Dp + kTile / 2 * Mp) +
                           13 * 64 + 64;
     mem.reset(new uint8_t[bytes]());
@@ -176,7 +183,7 @@ struct Workspace {
     qt = take<float>(cursor, Dp * Mp);            // [Dp, Mp] queries, transposed
     ot = take<float>(cursor, Dp * Mp);            // [Dp, Mp] unnormalised output, transposed
     s = take<float>(cursor, kTile * Mp);          // [kTile, Mp] scores, then probabilities
-    kt = take<float>(cursor, kTile * Dp);         // [kTile, Dp] K tile
+    kt = take<float>(cursor, kTile * (Dp + 16));  // [kTile, Dp] K tile ([Dw, kTile]: attend_few)
     vt = take<float>(cursor, kTile * Dp);         // [kTile, Dp] V tile
     mx = take<float>(cursor, Mp);                 // [Mp] running max (base 2)
     l = take<float>(cursor, Mp);                  // [Mp] running sum
@@ -346,31 +353,23 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
 
 // ---------------------------------------------------------------- few query rows
 // A plain decode step asks only group_size rows per KV head (T = 1: typically 1-8), which
-// fill 1-8 of the 2 * LANES lanes of the row-panel kernels above. For at most kFewRows rows of
-// float16 / bfloat16 (float32 stays on the panel kernels, see tree_verify_typed) the lanes
-// run over head dims instead: each K row is converted to float once and dotted with
-// every query row (one horizontal sum per score), each V row is added to every row's output
-// with its probability broadcast. Same online softmax (base 2), and the same (o^T, max, sum)
-// left in ws, so the split merge and write_rows are shared with the panel kernels.
+// fill 1-8 of the 2 * LANES lanes of the row-panel kernels above. For at most kFewRows rows
+// the lanes run over keys instead (scores: the K tile staged transposed) and over head dims
+// (output: each V row added to every row's output with its probability broadcast). Each
+// score, probability, sum and output element is computed as the panel kernels compute it
+// (the same operations in the same order, lane for lane), so a row gets the same bits
+// whichever kernel its row count picks: a node's attention in a tree verify is bitwise the
+// plain step's (tests/ops/test_tree_verify.py::test_node_output_is_the_plain_steps). The
+// (o^T, max, sum) left in ws feed the same segment fold and write_rows. bfloat16 on an
+// AVX512-BF16 CPU takes the vdpbf16ps kernels instead (below; the panels there too): faster,
+// but their sums of bf16 pairs round by row count and key position, so there a tree node's
+// bf16 attention is not bitwise the plain step's (float32 and float16 are). The price of the
+// panels' arithmetic (session 23, Zen 3, bf16, 9 query / 3 KV heads, 2 threads, against the
+// earlier few-rows kernel's lanes over head dims with a horizontal sum per score): at batch 1
+// the same or faster (0.75-1.05x), at batch 8 with 3 rows per KV head up to 1.5x (the
+// transposition of the K tile is amortised over 3 rows only; compute-bound there).
 constexpr int64_t kFewRows = 8;
 constexpr int64_t kFewMaxD = 256;  // larger head dims take the panel kernels
-
-// Sum of the lanes of v by halving (log2 LANES shuffles and adds).
-template <int LANES>
-SPECDEC_INLINE float reduce_add(typename Simd<LANES>::f v) {
-  if constexpr (LANES == 16) {
-    const typename Simd<8>::f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-    const typename Simd<8>::f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    return reduce_add<8>(lo + hi);
-  } else if constexpr (LANES == 8) {
-    const typename Simd<4>::f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3);
-    const typename Simd<4>::f hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    return reduce_add<4>(lo + hi);
-  } else {
-    static_assert(LANES == 4);
-    return (v[0] + v[2]) + (v[1] + v[3]);
-  }
-}
 
 // The tree mask and the online softmax of one key tile for the M (<= kFewRows) rows of the
 // few-rows kernels: sc [M, kTile] scores (base 2, scaled) -> probabilities relative to the
@@ -403,20 +402,75 @@ SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int6
   }
 }
 
+// One stage of an in-register transpose of LANES x LANES floats: rows i and i + S swap their
+// off-diagonal blocks of S lanes (all stages, S = LANES / 2 ... 1, transpose the square).
+template <int LANES, int S, bool UPPER, size_t... J>
+SPECDEC_INLINE typename Simd<LANES>::f swap_blocks(typename Simd<LANES>::f a,
+                                                   typename Simd<LANES>::f b,
+                                                   std::index_sequence<J...>) {
+  if constexpr (UPPER) {
+    return __builtin_shufflevector(a, b, ((J & S) ? LANES + J - S : J)...);
+  } else {
+    return __builtin_shufflevector(a, b, ((J & S) ? LANES + J : J + S)...);
+  }
+}
+
+template <int LANES, int S = LANES / 2>
+SPECDEC_INLINE void transpose_square(typename Simd<LANES>::f* v) {
+  if constexpr (S >= 1) {
+    for (int i = 0; i < LANES; ++i) {
+      if (i & S) continue;
+      const auto a = v[i], b = v[i | S];
+      v[i] = swap_blocks<LANES, S, true>(a, b, std::make_index_sequence<LANES>());
+      v[i | S] = swap_blocks<LANES, S, false>(a, b, std::make_index_sequence<LANES>());
+    }
+    transpose_square<LANES, S / 2>(v);
+  }
+}
+
+// Stages the K rows of positions [p, p + nt) of (b, h) transposed, kt [Dw, kTile] as float
+// (head dims past D and keys past nt zero): LANES rows converted to float front to back (the
+// conversion vectorises), then transposed LANES x LANES in registers.
+template <int LANES, typename scalar_t>
+SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt, int64_t b,
+                                          int64_t h, int64_t p, int64_t nt, int64_t Dw) {
+  using vfloat = typename Simd<LANES>::f;
+  alignas(64) float rows[LANES * (kFewMaxD + 16)];  // [LANES, Dw]
+  for (int64_t j0 = 0; j0 < nt; j0 += LANES) {
+    for (int i = 0; i < LANES; ++i) {
+      float* dst = rows + i * Dw;
+      int64_t d = 0;
+      if (j0 + i < nt) {
+        const scalar_t* src = P.k_row(b, p + j0 + i, h);
+        for (; d < P.D; ++d) dst[d] = static_cast<float>(src[d]);
+      }
+      for (; d < Dw; ++d) dst[d] = 0.f;
+    }
+    for (int64_t d0 = 0; d0 < Dw; d0 += LANES) {
+      vfloat v[LANES];
+      for (int i = 0; i < LANES; ++i) v[i] = load<LANES>(rows + i * Dw + d0);
+      transpose_square<LANES>(v);
+      for (int i = 0; i < LANES; ++i) store(kt + (d0 + i) * kTile + j0, v[i]);
+    }
+  }
+}
+
 template <int LANES, typename scalar_t>
 SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
                                int64_t s) {
   using vfloat = typename Simd<LANES>::f;
   const int64_t M = P.rows(b), D = P.D, Dw = (D + LANES - 1) / LANES * LANES, Mp = P.Mp;
-  alignas(64) float q[kFewRows * (kFewMaxD + 16)];  // [M, Dw], scaled, zero padded
+  constexpr int kKeyVecs = kTile / LANES;
+  alignas(64) float q[kFewRows * (kFewMaxD + 16)];  // [M, Dw], zero padded
   alignas(64) float o[kFewRows * (kFewMaxD + 16)];  // [M, Dw] unnormalised output
-  alignas(64) float row[kFewMaxD + 16];             // one K or V row in float, zero padded
+  alignas(64) float row[kFewMaxD + 16];             // one V row in float, zero padded
   alignas(64) float sc[kFewRows * kTile] = {};      // [M, kTile] scores, then probabilities
+  float* kt = ws.kt;                                // [Dw, kTile]: the K tile, transposed
   float mx[kFewRows], l[kFewRows];
   for (int64_t m = 0; m < M; ++m) {
     const scalar_t* src = P.q_row(b, h, m);
     for (int64_t d = 0; d < Dw; ++d) {
-      q[m * Dw + d] = d < D ? static_cast<float>(src[d]) * P.scale : 0.f;
+      q[m * Dw + d] = d < D ? static_cast<float>(src[d]) : 0.f;
       o[m * Dw + d] = 0.f;
     }
     mx[m] = kNegInf;
@@ -427,14 +481,29 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    for (int64_t j = 0; j < nt; ++j) {
-      const scalar_t* kr = P.k_row(b, p + j, h);
-      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(kr[d]);
+    stage_keys_transposed<LANES>(P, kt, b, h, p, nt, Dw);
+    // Lanes over keys, each score a chain of FMAs over d in order, then scaled: the panel
+    // kernels' arithmetic (score_block), so a row gets the same bits from either kernel
+    // (columns past nt: stale keys, never read back).
+    if (nt == kTile) {
       for (int64_t m = 0; m < M; ++m) {
-        vfloat acc = {};
-        for (int64_t d = 0; d < Dw; d += LANES)
-          acc += load<LANES>(q + m * Dw + d) * load<LANES>(row + d);
-        sc[m * kTile + j] = reduce_add<LANES>(acc);
+        vfloat acc[kKeyVecs] = {};
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = q[m * Dw + d];  // a scalar operand: broadcast by the FMA itself
+          for (int v = 0; v < kKeyVecs; ++v) {
+            acc[v] = qd * load<LANES>(kt + d * kTile + v * LANES) + acc[v];
+          }
+        }
+        for (int v = 0; v < kKeyVecs; ++v) store(sc + m * kTile + v * LANES, acc[v] * P.scale);
+      }
+    } else {  // the last, partial tile: only its key vectors
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t j = 0; j < nt; j += LANES) {
+          vfloat acc = {};
+          for (int64_t d = 0; d < D; ++d)
+            acc = q[m * Dw + d] * load<LANES>(kt + d * kTile + j) + acc;
+          store(sc + m * kTile + j, acc * P.scale);
+        }
       }
     }
     float alpha[kFewRows];
@@ -766,85 +835,114 @@ int block_shift(int64_t block_size) {
   return (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(uint64_t(block_size)) : -1;
 }
 
-// Number of position splits per request: enough tasks for every thread (x4 for balance),
-// but no split shorter than kMinSplit positions.
-int64_t choose_splits(int64_t tasks, int64_t max_len) {
-  const int64_t want = (4 * at::get_num_threads() + tasks - 1) / tasks;
-  return std::max<int64_t>(1, std::min(want, max_len / kMinSplit));
+// Segment partials (o^T [D, Mp], max and sum [Mp] each, of the M rows of a (b, h) pair) and
+// the one way they are combined: fold_segment, in segment order, from (0, -inf, 0).
+struct Partial {
+  float *o, *mx, *l;
+};
+
+// acc <- acc (+) seg for rows [0, M): the two online softmaxes rescaled to their common max.
+// A side that saw no key (max -inf) weighs 0, so the first fold copies seg exactly (x 1)
+// and a segment past a row's keys leaves it exactly as it was.
+void fold_segment(Partial acc, const Partial& seg, int64_t M, int64_t D, int64_t Mp) {
+  alignas(64) float w_acc[kMaxPanel], w_seg[kMaxPanel];
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxPanel) {
+    const int64_t rows = std::min<int64_t>(kMaxPanel, M - m0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      const float mx = std::max(acc.mx[m], seg.mx[m]);
+      w_acc[r] = acc.mx[m] == kNegInf ? 0.f : std::exp2(acc.mx[m] - mx);
+      w_seg[r] = seg.mx[m] == kNegInf ? 0.f : std::exp2(seg.mx[m] - mx);
+      acc.l[m] = acc.l[m] * w_acc[r] + seg.l[m] * w_seg[r];
+      acc.mx[m] = mx;
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      float* ao = acc.o + d * Mp + m0;
+      const float* so = seg.o + d * Mp + m0;
+      for (int64_t r = 0; r < rows; ++r) ao[r] = ao[r] * w_acc[r] + so[r] * w_seg[r];
+    }
+  }
 }
 
-// Partial results of the num_splits splits of each of `groups` (b, h) pairs (task
-// g * num_splits + s): o^T [D, Mp], then max and sum [2, Mp].
-struct Partials {
-  int64_t num_splits, Mp, D;
-  std::vector<float> o, ml;
-  Partials(int64_t groups, int64_t num_splits, int64_t Mp, int64_t D)
-      : num_splits(num_splits),
-        Mp(Mp),
-        D(D),
-        o(num_splits > 1 ? groups * num_splits * D * Mp : 0),
-        ml(num_splits > 1 ? groups * num_splits * 2 * Mp : 0) {}
-  void save(int64_t t, const Workspace& ws) {
-    std::copy(ws.ot, ws.ot + D * Mp, o.data() + t * D * Mp);
-    std::copy(ws.mx, ws.mx + Mp, ml.data() + t * 2 * Mp);
-    std::copy(ws.l, ws.l + Mp, ml.data() + t * 2 * Mp + Mp);
-  }
-  // Merges the splits of (b, h) = task group g into ot [D, Mp] and l [Mp] (rows [0, M)).
-  void merge(int64_t g, int64_t M, float* ot, float* l) const {
-    std::vector<float> w(num_splits * Mp);
-    for (int64_t m = 0; m < M; ++m) {
-      float mx = kNegInf;
-      for (int64_t s = 0; s < num_splits; ++s) {
-        mx = std::max(mx, ml[(g * num_splits + s) * 2 * Mp + m]);
-      }
-      l[m] = 0.f;
-      for (int64_t s = 0; s < num_splits; ++s) {
-        const float* sml = ml.data() + (g * num_splits + s) * 2 * Mp;
-        // A split where the row saw nothing (or an empty split) has o = 0, l = 0.
-        w[s * Mp + m] = sml[m] == kNegInf ? 0.f : std::exp2(sml[m] - mx);
-        l[m] += w[s * Mp + m] * sml[Mp + m];
-      }
-    }
-    std::fill(ot, ot + D * Mp, 0.f);
-    for (int64_t s = 0; s < num_splits; ++s) {
-      const float* so = o.data() + (g * num_splits + s) * D * Mp;
-      for (int64_t d = 0; d < D; ++d) {
-        for (int64_t m = 0; m < M; ++m) ot[d * Mp + m] += w[s * Mp + m] * so[d * Mp + m];
-      }
-    }
+// A (b, h) pair's running result: zero output, max -inf, sum 0.
+struct Accumulator {
+  std::vector<float> o, mx, l;
+  Accumulator(int64_t D, int64_t Mp) : o(D * Mp), mx(Mp), l(Mp) {}
+  Partial reset() {
+    std::fill(o.begin(), o.end(), 0.f);
+    std::fill(mx.begin(), mx.end(), kNegInf);
+    std::fill(l.begin(), l.end(), 0.f);
+    return {o.data(), mx.data(), l.data()};
   }
 };
 
 template <typename scalar_t>
 void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
-  const int64_t num_splits = P.num_splits;
+  // Either kernel gives a row the same bits (see "few query rows"); with the segments at
+  // fixed positions a node's attention in a tree verify is the plain step's, so greedy
+  // speculation reproduces plain decoding bitwise where the rest of the model is row-invariant
+  // (the bf16 tiles of the CPU decode path). Not where a 64-position tile or a segment
+  // boundary falls between the positions the node's ancestors have in the tree and the ones
+  // they get once accepted (the keys are then grouped differently: last bits), nor for bf16 on
+  // AVX512-BF16 CPUs (their vdpbf16ps kernels).
   const auto attend_fn = pick_attend<scalar_t>();
-  // float32 keeps the panel kernels for every row count: they compute each row the same way
-  // whatever the other rows, so a plain step and a tree verify give a node bitwise the same
-  // attention (the float32 exactness contract: greedy speculation == plain decoding).
-  const bool few_rows_kernel = P.D <= kFewMaxD && !std::is_same_v<scalar_t, float>;
-  const auto attend_few_fn = few_rows_kernel ? pick_attend_few<scalar_t>() : attend_fn;
-  Partials part(B * P.Hkv, num_splits, P.Mp, P.D);
-  at::parallel_for(0, B * P.Hkv * num_splits, 1, [&](int64_t t0, int64_t t1) {
+  const auto attend_few_fn = P.D <= kFewMaxD ? pick_attend_few<scalar_t>() : attend_fn;
+  const auto attend_segment = [&](Workspace& ws, int64_t b, int64_t h, int64_t s) {
+    (P.rows(b) <= kFewRows ? attend_few_fn : attend_fn)(P, ws, b, h, s);
+    return Partial{ws.ot, ws.mx, ws.l};
+  };
+  const int64_t groups = B * P.Hkv;
+  int64_t segments = 1;  // per request, at most
+  for (int64_t b = 0; b < B; ++b) {
+    segments = std::max(segments, (P.length(b) + kSegment - 1) / kSegment);
+  }
+  // One task per (request, KV head) when those occupy the threads (x4 for balance), the
+  // contexts are short (a second parallel pass for the folds costs more than it balances)
+  // or the partials would not fit the budget; else one per segment, the partials kept.
+  // Either way the same folds in the same order: the same bits.
+  const int64_t partial_floats = P.D * P.Mp + 2 * P.Mp;
+  const bool split = segments >= kMinSplitSegments && groups < 4 * at::get_num_threads() &&
+                     groups * segments * partial_floats * 4 <= kPartialsBudget;
+  if (!split) {
+    at::parallel_for(0, groups, 1, [&](int64_t t0, int64_t t1) {
+      Workspace ws(P.Mp, P.Dp);
+      Accumulator acc(P.D, P.Mp);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / P.Hkv, h = t % P.Hkv;
+        const Partial result = acc.reset();
+        for (int64_t s = 0; s * kSegment < P.length(b); ++s) {
+          fold_segment(result, attend_segment(ws, b, h, s), P.rows(b), P.D, P.Mp);
+        }
+        write_rows(P, out, b, h, result.o, result.l);
+      }
+    });
+    return;
+  }
+  std::vector<float> partials(groups * segments * partial_floats);
+  const auto saved = [&](int64_t t) {  // task t = g * segments + s
+    float* base = partials.data() + t * partial_floats;
+    return Partial{base, base + P.D * P.Mp, base + P.D * P.Mp + P.Mp};
+  };
+  at::parallel_for(0, groups * segments, 1, [&](int64_t t0, int64_t t1) {
     Workspace ws(P.Mp, P.Dp);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (P.Hkv * num_splits), h = (t / num_splits) % P.Hkv;
-      const int64_t s = t % num_splits;
-      (P.rows(b) <= kFewRows ? attend_few_fn : attend_fn)(P, ws, b, h, s);
-      if (num_splits == 1) {
-        write_rows(P, out, b, h, ws.ot, ws.l);
-      } else {
-        part.save(t, ws);
-      }
+      const int64_t b = t / (P.Hkv * segments), h = (t / segments) % P.Hkv, s = t % segments;
+      const Partial seg = attend_segment(ws, b, h, s);
+      const Partial dst = saved(t);
+      std::copy(seg.o, seg.o + P.D * P.Mp, dst.o);
+      std::copy(seg.mx, seg.mx + P.Mp, dst.mx);
+      std::copy(seg.l, seg.l + P.Mp, dst.l);
     }
   });
-  if (num_splits == 1) return;
-  at::parallel_for(0, B * P.Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> ot(P.D * P.Mp), l(P.Mp);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / P.Hkv, h = t % P.Hkv;
-      part.merge(t, P.rows(b), ot.data(), l.data());
-      write_rows(P, out, b, h, ot.data(), l.data());
+  at::parallel_for(0, groups, 1, [&](int64_t t0, int64_t t1) {
+    Accumulator acc(P.D, P.Mp);
+    for (int64_t g = t0; g < t1; ++g) {
+      const int64_t b = g / P.Hkv, h = g % P.Hkv;
+      const Partial result = acc.reset();
+      for (int64_t s = 0; s * kSegment < P.length(b); ++s) {
+        fold_segment(result, saved(g * segments + s), P.rows(b), P.D, P.Mp);
+      }
+      write_rows(P, out, b, h, result.o, result.l);
     }
   });
 }
@@ -871,16 +969,12 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       block_shift(k_cache.size(1)),
                       block_table.size(1),
                       tree_mask.size(2),
-                      1,
                       static_cast<float>(sm_scale * kLog2e),
                       (D + kMaxCols - 1) / kMaxCols * kMaxCols,
                       (T * group_size + kMaxPanel - 1) / kMaxPanel * kMaxPanel,
                       {q.stride(0), q.stride(1), q.stride(2)},
                       {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
                       {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, P.length(b));
-  P.num_splits = choose_splits(B * Hkv, max_len);
   // Contiguous whatever q's strides (as the fake kernel says); padded rows stay zero.
   at::Tensor out = at::zeros(q.sizes(), q.options());
   tree_verify_typed(P, B, out.data_ptr<scalar_t>());

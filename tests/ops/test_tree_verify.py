@@ -167,22 +167,89 @@ def test_few_query_rows_long_context(T, Hq, Hkv, D, device, backend):
     check(case, backend)
 
 
-@pytest.mark.parametrize("ctx", [5, 300])
-def test_float32_node_output_independent_of_tree_size(ctx, device):
-    """float32 is the exactness contract: the root of a 12-node tree gets bitwise the
-    attention output a plain step (T = 1) gets for the same query and cache, so greedy
-    speculation reproduces plain decoding (the C++ CPU kernel keeps float32 on row-invariant
-    kernels for every row count)."""
+def _plain_step_of(case, b, node, parents):
+    """The T = 1 call plain decoding makes for tree node `node` of request b: the node's
+    ancestors' K / V moved to the positions after the prefix (as compact_kv leaves them once
+    they are accepted), the node's query alone, cache_lens = prefix + depth."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    path.reverse()
+    c, blocks = int(case["cache_lens"][b]), case["block_table"][b].long()
+    block_size = case["k_cache"].shape[1]
+    k, v = case["k_cache"].clone(), case["v_cache"].clone()
+    for depth, src in enumerate(path):
+        sp, dp = c + src, c + depth
+        for cache, orig in ((k, case["k_cache"]), (v, case["v_cache"])):
+            cache[blocks[dp // block_size], dp % block_size] = orig[
+                blocks[sp // block_size], sp % block_size
+            ]
+    one = torch.ones(1, dtype=torch.int32)
+    return dict(
+        case,
+        q=case["q"][b : b + 1, node : node + 1].contiguous(),
+        k_cache=k,
+        v_cache=v,
+        block_table=case["block_table"][b : b + 1],
+        cache_lens=torch.tensor([c + len(path) - 1], dtype=torch.int32),
+        num_nodes=one,
+        tree_mask=torch.ones(1, 1, 1, dtype=torch.int64),
+    )
+
+
+# Prefixes whose tree positions [c, c + 8) hold no 64-position tile boundary (and so no split
+# boundary either): 5 (one tile), 300 (2 splits of 256 at 2 threads), 710 (3), 1500 (6).
+@pytest.mark.parametrize("ctx", [5, 300, 710, 1500])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_node_output_is_the_plain_steps(ctx, dtype, threads, device, cpu_isa):
+    """Greedy speculation reproduces plain decoding only if a tree node's attention is
+    bitwise what the plain step that later decodes its token computes: the same query over
+    the prefix and the node's ancestors, moved into place. The C++ CPU kernel gives every
+    node of a random tree those bits: its few-rows kernel (a plain step: 3 rows per KV head
+    here) computes a row as the panel kernel (a tree of 8: 24 rows) does, and its key
+    segments are fixed positions, whatever the batch (2 here, 1 in the plain step) or the
+    threads. bfloat16 on an AVX512-BF16 CPU is the exception (its vdpbf16ps kernels: the build
+    is capped at AVX-512 here), and so is a node whose ancestors straddle a 64-position tile
+    boundary inside the tree (see tree_verify.cpp)."""
     if device.type != "cpu":
         pytest.skip("the CPU kernel's property")
-    tree = make_case(1, 12, 9, 3, 64, 16, torch.float32, device, cache_lens=[ctx], full=True)
-    plain = dict(tree, q=tree["q"][:, :1].contiguous(), num_nodes=torch.ones(1, dtype=torch.int32))
-    plain["tree_mask"], _ = reference.build_tree_mask(
-        torch.full((1, 1), -1, dtype=torch.int32), plain["num_nodes"]
-    )
+    cpu_isa("avx512")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            tree = make_case(2, 8, 9, 3, 64, 16, dtype, device, cache_lens=[ctx, ctx + 1])
+            parents, _ = random_trees(1, 8, "random", full=True)  # one shape for both
+            tree["tree_mask"], _ = reference.build_tree_mask(
+                parents.repeat(2, 1), torch.full((2,), 8, dtype=torch.int32)
+            )
+            tree["num_nodes"] = torch.full((2,), 8, dtype=torch.int32)
+            whole = sk.tree_verify(**tree, backend="cpp")
+            for b in range(2):
+                for node in range(8):
+                    plain = sk.tree_verify(
+                        **_plain_step_of(tree, b, node, parents[0]), backend="cpp"
+                    )
+                    assert torch.equal(whole[b, node], plain[0, 0]), (b, node, parents[0].tolist())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_node_output_check_can_fail(device):
+    """The check above detects a node whose attention differs: the plain step of node 2 run
+    with the tree's row 1 query is a different output."""
+    if device.type != "cpu":
+        pytest.skip("the CPU kernel's property")
+    tree = make_case(1, 4, 9, 3, 64, 16, torch.float32, device, cache_lens=[100])
+    parents = torch.tensor([-1, 0, 1, 0])
+    tree["tree_mask"], _ = reference.build_tree_mask(parents[None], torch.tensor([4]))
+    tree["num_nodes"] = torch.tensor([4], dtype=torch.int32)
     whole = sk.tree_verify(**tree, backend="cpp")
-    root = sk.tree_verify(**plain, backend="cpp")
-    assert torch.equal(whole[:, :1], root)
+    plain = _plain_step_of(tree, 0, 2, parents)
+    assert torch.equal(whole[0, 2], sk.tree_verify(**plain, backend="cpp")[0, 0])
+    plain["q"] = tree["q"][:, 1:2].contiguous()
+    assert not torch.equal(whole[0, 2], sk.tree_verify(**plain, backend="cpp")[0, 0])
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
