@@ -86,6 +86,15 @@ struct VerifyParams {
   bool vec_ok;  // K / V rows can be read with 16-byte loads (D, strides, pointers aligned)
 };
 
+// The end of request b's keys, cache_lens + num_nodes, within [0, max_positions]: 64-bit, as
+// unvalidated cache_lens may be anything; max_positions < 2^30 (host check), so a split's
+// start split * chunk and end stay in int.
+template <typename scalar_t>
+__device__ __forceinline__ int context_end(const VerifyParams<scalar_t>& p, int c, int n) {
+  const int64_t tree_end = int64_t(c) + n;
+  return tree_end <= 0 ? 0 : tree_end >= p.max_positions ? p.max_positions : int(tree_end);
+}
+
 template <int DP>
 __host__ __device__ constexpr int smem_floats(int rows) {
   return rows * DP               // Q rows (pre-scaled by scale_log2)
@@ -161,12 +170,7 @@ __global__ void __launch_bounds__(kThreads, DP <= 128 ? 2 : 1)
 
   const int n = min(max(p.num_nodes[b], 0), p.T);
   const int c = p.cache_lens[b];
-  const int64_t tree_end = int64_t(c) + n;  // 64-bit: c may be anything when unvalidated
-  const int ctx_end = tree_end <= 0                 ? 0
-                      : tree_end >= p.max_positions ? p.max_positions
-                                                    : int(tree_end);
-  const int kbeg = split * p.chunk;  // max_positions < 2^30 (host check): no int overflow here
-  const int kend = min(kbeg + p.chunk, ctx_end);
+  const int kbeg = split * p.chunk, kend = min(kbeg + p.chunk, context_end(p, c, n));
 
   // Rows are ordered by node t, so rows with t < n are a prefix:
   // [0, min(rows_per_head, n * group_size)).
@@ -319,12 +323,8 @@ __global__ void __launch_bounds__(kThreads)
 
   const int n = min(max(p.num_nodes[b], 0), p.T);
   const int c = p.cache_lens[b];
-  const int64_t tree_end = int64_t(c) + n;  // 64-bit: c may be anything when unvalidated
-  const int ctx_end = tree_end <= 0                 ? 0
-                      : tree_end >= p.max_positions ? p.max_positions
-                                                    : int(tree_end);
-  const int kbeg = split * p.chunk;  // max_positions < 2^30 (host check): no int overflow here
-  const int kend = t < n ? min(kbeg + p.chunk, ctx_end) : kbeg;  // rows t >= n attend nothing
+  const int kbeg = split * p.chunk;  // rows t >= n attend nothing
+  const int kend = t < n ? min(kbeg + p.chunk, context_end(p, c, n)) : kbeg;
 
   const scalar_t* qr = p.q + int64_t(b) * p.q_sb + int64_t(t) * p.q_st + int64_t(hq) * p.q_sh;
   float* acc = p.part_out + (int64_t(split) * rows_total + row) * p.D;
