@@ -202,7 +202,8 @@ def _plain_step_of(case, b, node, parents):
 @pytest.mark.parametrize("ctx", [5, 300, 710, 1500])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_node_output_is_the_plain_steps(ctx, dtype, threads, device, cpu_isa):
+@pytest.mark.parametrize("isa", ["avx512", "baseline"])  # avx512: the widest the CPU has, <= it
+def test_node_output_is_the_plain_steps(ctx, dtype, threads, isa, device, cpu_isa):
     """Greedy speculation reproduces plain decoding only if a tree node's attention is
     bitwise what the plain step that later decodes its token computes: the same query over
     the prefix and the node's ancestors, moved into place. The C++ CPU kernel gives every
@@ -214,7 +215,7 @@ def test_node_output_is_the_plain_steps(ctx, dtype, threads, device, cpu_isa):
     boundary inside the tree (see tree_verify.cpp)."""
     if device.type != "cpu":
         pytest.skip("the CPU kernel's property")
-    cpu_isa("avx512")
+    cpu_isa(isa)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
