@@ -61,8 +61,9 @@ namespace {
 // (+ 3 operands) fill but do not overflow the 32 zmm or 16 ymm / xmm registers.
 template <int LANES>
 constexpr int kCols = LANES == 16 ? 8 : 4;
+constexpr int kMaxLanes = 16;  // the widest LANES (AVX-512): row buffers are padded by it
 constexpr int kMaxCols = 8;    // the largest kCols: head dims are padded to it
-constexpr int kMaxPanel = 32;  // 2 * the widest LANES: rows are padded to it
+constexpr int kMaxPanel = 2 * kMaxLanes;  // rows are padded to it
 constexpr int64_t kTile = 64;  // key positions staged at a time (even, a multiple of kMaxCols)
 // Keys are taken in segments of kSegment positions (fixed, from position 0): each from a
 // fresh online softmax, folded into the row's result in order (fold_segment). A split over
@@ -154,7 +155,7 @@ struct Problem {
     return ((b * T + m / group_size) * Hq + h * group_size + m % group_size) * D;
   }
   // [p0, p1): the key positions of segment s of request b (tile aligned, possibly empty).
-  std::pair<int64_t, int64_t> split_range(int64_t b, int64_t s) const {
+  std::pair<int64_t, int64_t> segment_range(int64_t b, int64_t s) const {
     const int64_t len = length(b);
     const int64_t p0 = std::min(s * kSegment, len);
     return {p0, std::min(p0 + kSegment, len)};
@@ -175,23 +176,23 @@ struct Workspace {
     return p;
   }
   Workspace(int64_t Mp, int64_t Dp) {
-    const int64_t bytes = 4 * (2 * Dp * Mp + kTile * Mp + 2 * kTile * Dp + 16 * kTile + 3 * Mp) +
-                          4 * (Dp / 2 * Mp + kTile * Dp / 2 + kTile / 2 * Dp + kTile / 2 * Mp) +
-                          13 * 64 + 64;
+    const int64_t bytes =
+        4 * (2 * Dp * Mp + kTile * Mp + 2 * kTile * Dp + kMaxLanes * kTile + 3 * Mp) +
+        4 * (Dp / 2 * Mp + kTile * Dp / 2 + kTile / 2 * Dp + kTile / 2 * Mp) + 13 * 64 + 64;
     mem.reset(new uint8_t[bytes]());
     uint8_t* cursor = mem.get() + (64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64;
-    qt = take<float>(cursor, Dp * Mp);            // [Dp, Mp] queries, transposed
-    ot = take<float>(cursor, Dp * Mp);            // [Dp, Mp] unnormalised output, transposed
-    s = take<float>(cursor, kTile * Mp);          // [kTile, Mp] scores, then probabilities
-    kt = take<float>(cursor, kTile * (Dp + 16));  // [kTile, Dp] K tile ([Dw, kTile]: attend_few)
-    vt = take<float>(cursor, kTile * Dp);         // [kTile, Dp] V tile
-    mx = take<float>(cursor, Mp);                 // [Mp] running max (base 2)
-    l = take<float>(cursor, Mp);                  // [Mp] running sum
-    alpha = take<float>(cursor, Mp);              // [Mp] rescale of o for the current tile
-    qp = take<uint32_t>(cursor, Dp / 2 * Mp);     // [Dp / 2, Mp] (q[m, 2i], q[m, 2i + 1])
-    kp = take<uint32_t>(cursor, kTile * Dp / 2);  // [kTile, Dp / 2] (k[n, 2i], k[n, 2i + 1])
-    vp = take<uint32_t>(cursor, kTile / 2 * Dp);  // [kTile / 2, Dp] (v[2j, d], v[2j + 1, d])
-    pp = take<uint32_t>(cursor, kTile / 2 * Mp);  // [kTile / 2, Mp] (p[2j, m], p[2j + 1, m])
+    qt = take<float>(cursor, Dp * Mp);                   // [Dp, Mp] queries, transposed
+    ot = take<float>(cursor, Dp * Mp);                   // [Dp, Mp] unnormalised output, transposed
+    s = take<float>(cursor, kTile * Mp);                 // [kTile, Mp] scores, then probabilities
+    kt = take<float>(cursor, kTile * (Dp + kMaxLanes));  // [kTile, Dp] ([Dw, kTile]: attend_few)
+    vt = take<float>(cursor, kTile * Dp);                // [kTile, Dp] V tile
+    mx = take<float>(cursor, Mp);                        // [Mp] running max (base 2)
+    l = take<float>(cursor, Mp);                         // [Mp] running sum
+    alpha = take<float>(cursor, Mp);                     // [Mp] rescale of o for the current tile
+    qp = take<uint32_t>(cursor, Dp / 2 * Mp);            // [Dp / 2, Mp] (q[m, 2i], q[m, 2i + 1])
+    kp = take<uint32_t>(cursor, kTile * Dp / 2);         // [kTile, Dp / 2] (k[n, 2i], k[n, 2i + 1])
+    vp = take<uint32_t>(cursor, kTile / 2 * Dp);         // [kTile / 2, Dp] (v[2j, d], v[2j + 1, d])
+    pp = take<uint32_t>(cursor, kTile / 2 * Mp);         // [kTile / 2, Mp] (p[2j, m], p[2j + 1, m])
   }
 };
 
@@ -330,7 +331,7 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
     for (int64_t d = 0; d < D; ++d) ws.qt[d * Mp + m] = src ? static_cast<float>(src[d]) : 0.f;
   }
   reset_rows(ws, Mp, Dp, Mr);
-  const auto [p0, p1] = P.split_range(b, s);
+  const auto [p0, p1] = P.segment_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p), nk = (nt + C - 1) / C * C;
     stage_rows(P, P.k, P.k_stride, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, unused
@@ -364,7 +365,7 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
 // AVX512-BF16 CPU takes the vdpbf16ps kernels instead (below; the panels there too): faster,
 // but their sums of bf16 pairs round by row count and key position, so there a tree node's
 // bf16 attention is not bitwise the plain step's (float32 and float16 are). The price of the
-// panels' arithmetic (session 23, Zen 3, bf16, 9 query / 3 KV heads, 2 threads, against the
+// panels' arithmetic (Zen 3, bf16, 9 query / 3 KV heads, 2 threads, against the
 // earlier few-rows kernel's lanes over head dims with a horizontal sum per score): at batch 1
 // the same or faster (0.75-1.05x), at batch 8 with 3 rows per KV head up to 1.5x (the
 // transposition of the K tile is amortised over 3 rows only; compute-bound there).
@@ -435,7 +436,7 @@ template <int LANES, typename scalar_t>
 SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt, int64_t b,
                                           int64_t h, int64_t p, int64_t nt, int64_t Dw) {
   using vfloat = typename Simd<LANES>::f;
-  alignas(64) float rows[LANES * (kFewMaxD + 16)];  // [LANES, Dw]
+  alignas(64) float rows[LANES * (kFewMaxD + kMaxLanes)];  // [LANES, Dw]
   for (int64_t j0 = 0; j0 < nt; j0 += LANES) {
     for (int i = 0; i < LANES; ++i) {
       float* dst = rows + i * Dw;
@@ -461,11 +462,11 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
   using vfloat = typename Simd<LANES>::f;
   const int64_t M = P.rows(b), D = P.D, Dw = (D + LANES - 1) / LANES * LANES, Mp = P.Mp;
   constexpr int kKeyVecs = kTile / LANES;
-  alignas(64) float q[kFewRows * (kFewMaxD + 16)];  // [M, Dw], zero padded
-  alignas(64) float o[kFewRows * (kFewMaxD + 16)];  // [M, Dw] unnormalised output
-  alignas(64) float row[kFewMaxD + 16];             // one V row in float, zero padded
-  alignas(64) float sc[kFewRows * kTile] = {};      // [M, kTile] scores, then probabilities
-  float* kt = ws.kt;                                // [Dw, kTile]: the K tile, transposed
+  alignas(64) float q[kFewRows * (kFewMaxD + kMaxLanes)];  // [M, Dw], zero padded
+  alignas(64) float o[kFewRows * (kFewMaxD + kMaxLanes)];  // [M, Dw] unnormalised output
+  alignas(64) float row[kFewMaxD + kMaxLanes];             // one V row in float, zero padded
+  alignas(64) float sc[kFewRows * kTile] = {};             // [M, kTile] scores, then probabilities
+  float* kt = ws.kt;                                       // [Dw, kTile]: the K tile, transposed
   float mx[kFewRows], l[kFewRows];
   for (int64_t m = 0; m < M; ++m) {
     const scalar_t* src = P.q_row(b, h, m);
@@ -477,7 +478,7 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
     l[m] = 0.f;
   }
   for (int64_t d = D; d < Dw; ++d) row[d] = 0.f;
-  const auto [p0, p1] = P.split_range(b, s);
+  const auto [p0, p1] = P.segment_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
@@ -631,7 +632,7 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
     }
   }
   reset_rows(ws, Mp, Dp, Mr);
-  const auto [p0, p1] = P.split_range(b, s);
+  const auto [p0, p1] = P.segment_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p), nk = (nt + 7) / 8 * 8, nj = (nt + 1) / 2;
     for (int64_t j = 0; j < nt; ++j) {  // keys [nt, nk): stale, their scores unused
@@ -693,7 +694,7 @@ SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, W
     l[m] = 0.f;
   }
   const __m512 scale = _mm512_set1_ps(P.scale);
-  const auto [p0, p1] = P.split_range(b, s);
+  const auto [p0, p1] = P.segment_range(b, s);
   // the first tile too (the loop prefetches each next one): at decode sizes a layer's K / V
   // rows are cold, and reading them on demand ran the 1-row task at ~4 GB/s
   prefetch_rows(P, b, h, p0, std::min(kTile, p1 - p0));
@@ -918,9 +919,10 @@ void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
     });
     return;
   }
-  std::vector<float> partials(groups * segments * partial_floats);
+  // uninitialised: every task writes its whole slot before the folds read it
+  std::unique_ptr<float[]> partials(new float[groups * segments * partial_floats]);
   const auto saved = [&](int64_t t) {  // task t = g * segments + s
-    float* base = partials.data() + t * partial_floats;
+    float* base = partials.get() + t * partial_floats;
     return Partial{base, base + P.D * P.Mp, base + P.D * P.Mp + P.Mp};
   };
   at::parallel_for(0, groups * segments, 1, [&](int64_t t0, int64_t t1) {
