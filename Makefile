@@ -4,7 +4,8 @@
 #   make demo   install what `specdec generate` needs into .venv, then run it on the default
 #               model with the shipped EAGLE head (prints the answer and the stats table)
 #   make test   install everything the test suite needs into .venv, then run it
-#   make lint   ruff (lint + format check) and clang-format check; make format rewrites
+#   make lint   ruff (lint + format check), clang-format check, and tools/check_words.py (the
+#               tree speaks of the product only); make format rewrites
 #
 # Idempotent: each install step leaves a stamp in the venv and reruns only when the package's
 # sources or pyproject.toml changed, so a second `make demo` / `make test` goes straight to
@@ -34,7 +35,7 @@ CXX_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.c
 .DEFAULT_GOAL := help
 
 help:
-	@sed -n '4,15p' Makefile | cut -c3-
+	@sed -n '4,16p' Makefile | cut -c3-
 
 demo: $(VENV)/.stamp-install
 	$(BIN)/specdec generate --prompt "$(PROMPT)"
@@ -78,6 +79,7 @@ lint: $(VENV)/.stamp-lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/clang-format --dry-run --Werror $(CXX_SOURCES)
+	$(PYTHON) tools/check_words.py
 
 # mypy on the engine's public modules ([tool.mypy] in pyproject.toml); needs the test install.
 typecheck: $(VENV)/.stamp-test

@@ -4,7 +4,7 @@ inputs.
 Full random trees of T nodes for B requests. Byte floor: parents and num_nodes read once,
 the packed mask (int64 [B, T, ceil(T/64)]) and depths written once; at these sizes the op
 is launch-bound on a GPU, so the bandwidth fraction is reported but has no goal there.
-Goal: CPU (issue 2) ours >= 3x naive.
+Goal: CPU ours >= 3x naive (docs/benchmarks.md, Ops).
 
     python benchmarks/bench_build_tree_mask.py [--quick] [--device cpu|cuda] [--json PATH]
 """

@@ -6,8 +6,8 @@ D = 128, bfloat16; each request accepts a root path of `accepted` nodes, the wor
 the deepest accepted nodes sit at the end of the tree, so every accepted row but the root moves.
 
 Byte floor: read + write of every moved row, K and V, all layers; `floor_us` is the time
-that takes at the measured copy bandwidth. Goals: CPU (issue 2) ours >= 3x naive; CUDA
-(issue 3) for B = 64, one kernel launch taking under 20 us (`launches` is counted with
+that takes at the measured copy bandwidth. Goals (docs/benchmarks.md, Ops): CPU ours >= 3x naive;
+CUDA for B = 64, one kernel launch taking under 20 us (`launches` is counted with
 torch.profiler; both kernels are one launch by construction). Note the floor: at B = 64 and
 8 accepted nodes the moved rows alone are 117 MB, 25-30 us at H200 copy speed, so the 20 us
 goal is reachable only for short accepted paths (4 nodes: 50 MB).

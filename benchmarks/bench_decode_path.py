@@ -1,11 +1,11 @@
 """The CPU decode path, step by step: one verify forward of the default model (SmolLM2-135M,
-bf16) with the eager torch ops and F.linear, with prepacked linears (specdec.packed_linear),
-with prepacked linears plus the C++ layer ops (specdec.layer_ops), with each block as one
+bf16) with the eager torch ops and F.linear, with prepacked linears (specdec.cpu.packed_linear),
+with prepacked linears plus the C++ layer ops (specdec.cpu.layer_ops), with each block as one
 C++ call (torch.ops.specdec.decode_layer), those in oneDNN's layout, then (tiles+decode_layer)
 with the products of up to SPECDEC_TILED_ROWS (auto) rows over the weights' tiles
 (torch.ops.specdec.tiled_linear), then (tiles+decode_layers, the default) the blocks as one
 torch.ops.specdec.decode_layers call, and with --compile the
-compiled step (specdec.compiled_step: torch.compile with inductor's weight freezing on CPU,
+compiled step (specdec.runtime.compiled_step: torch.compile with inductor's weight freezing on CPU,
 CUDA graphs on CUDA; --compile-modes for several torch.compile modes; compile time reported
 apart), interleaved in one process (each round times every variant), at tree
 sizes T and a context of --ctx tokens.
@@ -26,10 +26,10 @@ import torch
 from common import DECODE_PATHS, configure_decode_path, write_json
 
 from specdec import compiled_step, layer_ops, packed_linear
-from specdec.config import ModelArgs
 from specdec.errors import ModelLoadError
-from specdec.loader import DEFAULT_MODEL_CONFIG, default_model_path, load_model
-from specdec.model import Transformer, inv_freq
+from specdec.models.config import ModelArgs
+from specdec.models.llama import Transformer, inv_freq
+from specdec.models.loader import DEFAULT_MODEL_CONFIG, default_model_path, load_model
 from specdec_kernels import ops
 from specdec_kernels.testing import time_fn
 

@@ -6,8 +6,7 @@ PackedLinear picks between, SPECDEC_TILED_ROWS), interleaved in one process, and
 plain sum over as many bytes (what the memory system streams). Outputs checked against
 float64 first.
 
-Session 9 measured load_inline prototypes of this layout (and a row-streaming GEMV) here; the
-layout is now the library op (csrc/cpu/tiled_linear.cpp), which this script times.
+The layout is the library op (csrc/cpu/tiled_linear.cpp), which this script times.
 
     PYTHONPATH=.:python OMP_NUM_THREADS=1 python benchmarks/bench_gemv_layout.py --threads 1 \\
         --rows 1,2,4,8,16,32,64 --json benchmarks/results/gemv_layout_t1.json
@@ -39,7 +38,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
     opts = p.parse_args()
-    from specdec.loader import load_model
+    from specdec.models.loader import load_model
 
     torch.set_num_threads(opts.threads)
     model, _ = load_model(None, dtype=torch.bfloat16)

@@ -18,14 +18,14 @@ import sys
 
 import torch
 
-from specdec.apps.bench import run_ours
-from specdec.apps.common import machine_info
-from specdec.apps.data import mtbench_prompts
-from specdec.apps.hf_baseline import load_hf, run_hf, run_hf_specdec
-from specdec.drafting import TreeSpec
-from specdec.eagle import load_head
+from specdec.bench.common import machine_info
+from specdec.bench.e2e import run_ours
+from specdec.bench.hf import load_hf, run_hf, run_hf_specdec
+from specdec.datasets import mtbench_prompts
+from specdec.drafters.eagle_head import load_head
 from specdec.heads import shipped_head_path
-from specdec.loader import load_model
+from specdec.models.loader import load_model
+from specdec.speculation.trees import TreeSpec
 
 
 def load_avg() -> list:

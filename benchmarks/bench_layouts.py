@@ -12,7 +12,7 @@ layer; compact_kv moves a worst-case root path of min(T, 8) nodes in 4 layers, K
 
 Variants are interleaved in one process (round r times every variant once, in a rotating
 order); a row's time is the median over the rounds, its ratio the median over the rounds
-of (layout / its contiguous baseline) timed in the same round (goal <= 1.15, issue 13).
+of (layout / its contiguous baseline) timed in the same round (goal <= 1.15, docs/benchmarks.md).
 "contiguous_again" is a second, identical contiguous cache: its ratio is pure noise and
 shows how far the others can be trusted on a loaded machine. Record the machine load
 beside the figures (the JSON keeps it).

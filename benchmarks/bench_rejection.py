@@ -10,7 +10,7 @@ subtract the draft distribution from the residual.
 Byte floor: each row the walk visits (num_accepted + 1 per request, reported by the op)
 read once, V float32 logits, plus the draft_probs row of each visited node that has
 children (the only ones a test reads). `rows_visited` is its mean per request.
-Goals: CPU (issue 2) ours >= 3x naive; CUDA (issue 3) at V >= 128k, >= 10x naive and
+Goals (docs/benchmarks.md, Ops): CPU ours >= 3x naive; CUDA at V >= 128k, >= 10x naive and
 >= 50% of the copy bandwidth.
 
     python benchmarks/bench_rejection.py             # default CPU sweep (a few minutes)

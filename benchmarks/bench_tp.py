@@ -67,7 +67,7 @@ def main():
         sys.path.insert(0, os.path.join(ROOT, "python"))
         import torch
 
-        from specdec.apps.common import machine_info
+        from specdec.bench.common import machine_info
 
         info = machine_info(torch.device("cpu"))
         info.update(

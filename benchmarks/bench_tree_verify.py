@@ -6,8 +6,8 @@ Hq = 32 query heads over Hkv = 8 KV heads, D = 128.
 
 Byte floor: K and V of every prefix and tree position, read once per request and KV
 head, plus q and the output; `frac_copy_bw` is the achieved floor bandwidth over the
-measured copy bandwidth. Goals: CPU (issue 2) ours >= 3x naive at the default sizes;
-CUDA (issue 3) at context >= 4k, >= 70% of the copy bandwidth and >= 5x naive.
+measured copy bandwidth. Goals (docs/benchmarks.md, Ops): CPU ours >= 3x naive at the default
+sizes; CUDA at context >= 4k, >= 70% of the copy bandwidth and >= 5x naive.
 On CUDA the inputs are rotated through enough copies to defeat the L2, the naive
 reference is skipped where its peak memory (gathered K/V, GQA expansion, dense mask,
 scores) would not fit, and FlashInfer's paged prefill with a custom mask is timed

@@ -249,9 +249,10 @@ def configure_decode_path(
 ) -> None:
     """One variant of the CPU decode path on model: prepacked linears, the layer ops, each
     block as one decode_layer call, tiles for few rows (use_tiles), the blocks as one
-    decode_layers call (a DECODE_PATHS tuple)."""
-    from specdec import layer_ops, packed_linear
+    decode_layers call (a DECODE_PATHS tuple), through the engine's one switch."""
+    from specdec import cpu
 
     use_tiles(tiles)
-    packed_linear.configure(model, packed)
-    layer_ops.configure(model, fused, decode_layer=layer, decode_layers=layers)
+    cpu.configure(
+        model, prepack=packed, layer_ops_setting=fused, decode_layer=layer, decode_layers=layers
+    )

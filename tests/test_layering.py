@@ -1,4 +1,5 @@
-"""No import cycles (issue 11): entry points import the library, never the reverse.
+"""The package's layering: no import cycles, and imports flow one way, from the kernels up
+(models, cpu, speculation, drafters, runtime, then the applications, then the command line).
 
 The graph is read from the source (every `import` / `from ... import`, also those inside
 functions, since a lazy import back into an entry point is still a cycle) plus the module
@@ -15,7 +16,40 @@ import specdec
 import specdec_kernels
 
 PACKAGE_DIR = os.path.dirname(specdec.__file__)
-ENTRY_POINTS = {"specdec.cli", "specdec.__main__", "specdec.train", "specdec.bench"}  # -m targets
+ENTRY_POINTS = {"specdec.__main__"}  # -m targets
+# the layers, lowest first: a module may import its own layer and the layers below it. Layer 0
+# holds the package's leaf modules (errors, environment, datasets, the shipped heads' paths).
+LAYERS = [
+    {
+        "specdec.errors",
+        "specdec.envs",
+        "specdec.device_memory",
+        "specdec.datasets",
+        "specdec.heads",
+    },
+    {"specdec.models"},
+    {"specdec.cpu"},
+    {"specdec.speculation"},
+    {"specdec.drafters"},
+    {"specdec.runtime"},
+    {"specdec.training", "specdec.integrations"},
+    {"specdec.bench", "specdec.serve"},
+    {"specdec.cli", "specdec.__main__"},
+]
+# imports the layer order allows but the design does not (docs: CONTRIBUTING.md, layout)
+FORBIDDEN = {
+    "specdec.drafters": {"specdec.speculation.policy"},  # drafters see a TreeSizer only
+}
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module of the package."""
+    if module == "specdec":  # the public names, loaded lazily (only errors at import)
+        return 0
+    for i, units in enumerate(LAYERS):
+        if any(module == u or module.startswith(u + ".") for u in units):
+            return i
+    raise AssertionError(f"{module} is in no layer of test_layering.LAYERS")
 
 
 def module_files():
@@ -44,9 +78,12 @@ def import_graph():
                 if node.level:
                     parts = package.split(".")
                     base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+                # `from P import M`: the submodule P.M where M is one, else P itself
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names
+                ]
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                targets = [node.value]  # importlib.import_module("specdec.apps.generate")
+                targets = [node.value]  # importlib.import_module("specdec.cli.generate")
             deps |= {t for t in targets if t in files and t != name and t != "specdec"}
         graph[name] = deps
     return graph
@@ -77,22 +114,52 @@ def find_cycle(graph):
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert {"specdec.cli", "specdec.apps.generate", "specdec.apps.train", "specdec.engine"} <= set(
-        graph
-    )
-    assert "specdec.apps.generate" in graph["specdec.cli"]  # the lazy subcommands are seen
+    assert {
+        "specdec.cli",
+        "specdec.cli.generate",
+        "specdec.training.eagle",
+        "specdec.runtime.engine",
+    } <= set(graph)
+    assert "specdec.cli.generate" in graph["specdec.cli"]  # the lazy subcommands are seen
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-def test_layers():
-    """Only entry points import the CLI; only entry points and applications import the apps."""
-    graph = import_graph()
+def violations(graph) -> list:
+    """The imports of graph ({module: imported modules}) that go up a layer or are forbidden."""
+    found = []
     for name, deps in graph.items():
-        if name not in ENTRY_POINTS:
-            assert not deps & ENTRY_POINTS, f"{name} imports an entry point: {deps & ENTRY_POINTS}"
-        if name not in ENTRY_POINTS and not name.startswith("specdec.apps"):
-            apps = {d for d in deps if d.startswith("specdec.apps")}
-            assert not apps, f"library module {name} imports the applications {apps}"
+        for dep in sorted(deps):
+            if layer_of(dep) > layer_of(name):
+                found.append(f"{name} imports {dep}, a higher layer")
+            for unit, banned in FORBIDDEN.items():
+                if (name == unit or name.startswith(unit + ".")) and dep in banned:
+                    found.append(f"{name} imports {dep}")
+    return found
+
+
+def test_layers():
+    """Every import goes to the module's own layer or one below it; the forbidden ones never."""
+    assert violations(import_graph()) == []
+
+
+def test_layers_catch_planted_imports():
+    """The check fails on an upward import (the model importing the CPU decode path) and on a
+    forbidden one (a drafter importing the adaptive policy)."""
+    planted = {
+        "specdec.models.llama": {"specdec.cpu.fused_layers"},
+        "specdec.drafters.ngram": {"specdec.speculation.policy"},
+        "specdec.cpu.fused_layers": {"specdec.models.llama"},
+    }
+    assert violations(planted) == [
+        "specdec.models.llama imports specdec.cpu.fused_layers, a higher layer",
+        "specdec.drafters.ngram imports specdec.speculation.policy",
+    ]
+
+
+def test_top_level_modules_are_few():
+    """The package is laid out by concept: beside the subpackages, a handful of leaf modules."""
+    top = [f for f in os.listdir(PACKAGE_DIR) if f.endswith(".py")]
+    assert len(top) <= 6, top
 
 
 def run_python(*args):
@@ -118,7 +185,7 @@ def test_subcommands_load_lazily():
         "import sys; from specdec.cli import build_parser; "
         "before = set(sys.modules); build_parser(['generate', '--prompt', 'x']); "
         "print(sorted(m for m in before if m.split('.')[0] in ('specdec', 'torch'))); "
-        "print(sorted(m for m in sys.modules if m.startswith('specdec.apps')))"
+        "print(sorted(m for m in sys.modules if m.startswith('specdec.') and m not in before))"
     )
     proc = run_python("-c", code)
     assert proc.returncode == 0, proc.stderr
@@ -128,32 +195,27 @@ def test_subcommands_load_lazily():
         "specdec.cli",
         "specdec.errors",
     ]  # no torch for `specdec --help`
-    assert eval(after_parse) == [
-        "specdec.apps",
-        "specdec.apps.common",
-        "specdec.apps.drafter_choice",
-        "specdec.apps.generate",
+    assert eval(after_parse) == [  # the generate flags only: no model, engine or torch
+        "specdec.cli.common",
+        "specdec.cli.generate",
+        "specdec.drafters",
+        "specdec.drafters.choice",
+        "specdec.speculation",
+        "specdec.speculation.trees",
     ]
 
 
-def test_module_entry_points():
-    """`python -m specdec`, and the old `python -m specdec.train` / `specdec.bench` redirects."""
-    for module, subcommand, flag in (
-        ("specdec", None, "generate"),
-        ("specdec.train", "train-head", "--ttt-steps"),
-        ("specdec.bench", "bench", "--chain-ks"),
-    ):
-        proc = run_python("-m", module, "--help")
-        assert proc.returncode == 0 and flag in proc.stdout, (module, proc.stdout, proc.stderr)
-        if subcommand:
-            assert proc.stdout.startswith(f"usage: specdec {subcommand}"), proc.stdout
+def test_module_entry_point():
+    """`python -m specdec` is the `specdec` command."""
+    proc = run_python("-m", "specdec", "--help")
+    assert proc.returncode == 0 and "generate" in proc.stdout, (proc.stdout, proc.stderr)
 
 
 def test_every_package_is_installed():
     """Each package directory of the checkout is listed in pyproject.toml, so that `pip install`
     ships it (a subpackage missing there imports from a checkout but not from an install)."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         setuptools_cfg = tomllib.load(f)["tool"]["setuptools"]
     listed = set(setuptools_cfg["packages"])

@@ -5,7 +5,7 @@
 //
 // (output rows past N are zero). Why: a decode step's linears are a stream over the weights
 // (M = 1..8 rows against 100s of MB), and oneDNN's one-row bf16 product on a CPU without AMX
-// streams them at a third of what a core can read (benchmarks/RESULTS.md, session 9: ~10 of
+// streams them at a third of what a core can read (docs/cpu-decode-path.md: ~10 of
 // ~30 GB/s). In this layout each 64-byte load holds 16 outputs x 2 inputs of one tile: one
 // vdpbf16ps with a broadcast input pair of x adds both products to 16 float accumulators, so a
 // tile of 64 outputs is 4 loads and 4 dot products per input pair and per row, with no
@@ -92,7 +92,7 @@ SPECDEC_BF16_TARGET void tile_rows_bf16(const uint32_t* tile, const void* inputs
 // One pass over the tile's 64 outputs, front to back, for every row count, though ROWS x
 // 64 / LANES accumulators outnumber the 16 registers of AVX2 and SSE (up to 8 rows: 64): the
 // spilled accumulators live in L1, and a sequential read of each 256-byte tile row is what
-// keeps the memory streaming. Measured on Zen 3 (benchmarks/RESULTS.md, session 18, random
+// keeps the memory streaming. Measured on Zen 3 (docs/cpu-decode-path.md, random
 // weights, 2 threads): a step's weights at 2 / 4 / 8 rows cost 1.0 / 1.1 / 1.8x one row in one
 // pass, against 1.2 / 1.4 / 2.0x in passes over 32 outputs sized for the registers. Each
 // tile row kPrefetchPairs ahead is prefetched: the hardware's prefetcher alone left a

@@ -12,7 +12,7 @@ build or load the C++ ops until a model is used.
 
 import importlib
 
-from .errors import (
+from specdec.errors import (
     HeadMismatchError,
     InvalidRequestError,
     InvalidTreeSpecError,
@@ -21,22 +21,24 @@ from .errors import (
 )
 
 _LAZY = {
-    "Engine": "engine",
-    "Request": "engine",
-    "Result": "engine",
-    "SamplingParams": "engine",
-    "EagleHead": "eagle",
-    "load_head": "eagle",
-    "TreeSpec": "drafting",
-    "Stats": "stats",
+    "Engine": "runtime.engine",
+    "Request": "runtime.requests",
+    "Result": "runtime.requests",
+    "SamplingParams": "runtime.requests",
+    "RequestHandle": "runtime.engine",
+    "EagleHead": "drafters.eagle_head",
+    "load_head": "drafters.eagle_head",
+    "TreeSpec": "speculation.trees",
+    "Stats": "runtime.stats",
     "Drafter": "drafters",
     "PlainDrafter": "drafters",
     "EagleDrafter": "drafters",
     "NgramDrafter": "drafters",
-    "Transformer": "model",
-    "ModelArgs": "config",
-    "load_model": "loader",
-    "Tokenizer": "tokenizer",
+    "Transformer": "models.llama",
+    "ModelArgs": "models.config",
+    "load_model": "models.loader",
+    "gguf_checkpoint_dir": "models.loader",
+    "Tokenizer": "models.tokenizer",
 }
 
 __all__ = sorted(_LAZY) + [

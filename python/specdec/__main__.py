@@ -1,5 +1,5 @@
 """`python -m specdec ...` is the `specdec` command."""
 
-from .cli import main
+from specdec.cli import main
 
 main()

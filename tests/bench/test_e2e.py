@@ -1,4 +1,4 @@
-"""specdec.apps.bench on a tiny random Llama shared by transformers and our loader: JSON fields,
+"""specdec.bench.e2e on a tiny random Llama shared by transformers and our loader: JSON fields,
 speedup bookkeeping, greedy exactness of every method against our plain loop, the plots."""
 
 import json
@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from specdec.apps.bench import plot, run_bench, summary
-from specdec.eagle import EagleHead
-from specdec.loader import load_checkpoint_dir
+from specdec.bench.e2e import plot, run_bench, summary
+from specdec.drafters.eagle_head import EagleHead
+from specdec.models.loader import load_checkpoint_dir
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -135,7 +135,7 @@ def test_repeats_report_medians_and_every_run():
     three runs' (same-run ratios), every run's values kept; one run leaves rows as they were."""
     import statistics
 
-    from specdec.apps.bench import _median_of_runs
+    from specdec.bench.e2e import _median_of_runs
 
     runs = [
         {"plain": {"tokens_per_s": t, "speedup_vs_plain": 1.0, "n": i}, "x": {"tokens_per_s": u}}
@@ -177,8 +177,8 @@ def test_repeats_in_run_bench(models):
 def test_repeats_alternate_the_method_order(monkeypatch, models):
     """Every other run takes the methods in reverse (llama.cpp's rows last), so a drift within
     a run does not always favour the same end of the list; rows keep the usual order."""
-    import specdec.apps.bench as bench
-    import specdec.apps.llamacpp_baseline as llamacpp_baseline
+    import specdec.bench.e2e as bench
+    import specdec.bench.llamacpp as llamacpp_baseline
 
     ours, _ = models
     calls = []
@@ -233,8 +233,8 @@ def test_interleave_decodes_prompt_by_prompt(monkeypatch, models):
     prompts); rows keep the usual order and names, a row's counts are its prompts' sums, and
     greedy outputs are those of the method-after-method run (every method against plain, and
     our plain against run_ours over the same prompts)."""
-    import specdec.apps.bench as bench
-    import specdec.apps.llamacpp_baseline as llamacpp_baseline
+    import specdec.bench.e2e as bench
+    import specdec.bench.llamacpp as llamacpp_baseline
 
     ours, hf = models
     tok = CharTokenizer()

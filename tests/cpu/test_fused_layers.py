@@ -1,4 +1,4 @@
-"""The C++ layer ops in the model (specdec.layer_ops): the switch, the same forward outputs and
+"""The C++ layer ops in the model (specdec.cpu.layer_ops): the switch, the same forward outputs and
 greedy tokens as the torch ops in bf16, a verify step's block as one decode_layer call bit for
 bit the modules' result, training untouched."""
 
@@ -6,12 +6,18 @@ import pytest
 import torch
 
 import specdec_kernels.ops as ops
-from specdec import layer_ops, packed_linear
-from specdec.eagle import EagleHead
-from specdec.engine import Engine, Request, SamplingParams
-from specdec.model import Attention, FeedForward, RMSNorm, TransformerBlock, modules_unchanged
+from specdec.cpu import fused_layers, layer_ops, modules_unchanged, packed_linear
+from specdec.drafters.eagle_head import EagleHead
+from specdec.models.llama import (
+    Attention,
+    FeedForward,
+    RMSNorm,
+    TransformerBlock,
+)
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
 
-from test_engine import bf16_run, tiny_model
+from model_testing import bf16_run, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -82,15 +88,15 @@ def count_decode_layer_calls(monkeypatch):
     one True per layer of each decode_layers call (Transformer's blocks in one call), and per
     block forward whether decode_layer ran."""
     calls = []
-    original = TransformerBlock._decode_layer
+    original = fused_layers.block_forward  # patched before configure installs it
 
-    def recorded(self, *args):
-        out = original(self, *args)
+    def recorded(block, *args):
+        out = original(block, *args)
         if args[-1].mode == "verify":
             calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(TransformerBlock, "_decode_layer", recorded)
+    monkeypatch.setattr(fused_layers, "block_forward", recorded)
     op = torch.ops.specdec.decode_layers
 
     def recorded_layers(x, attention_norm_weights, *args):
@@ -201,7 +207,8 @@ def test_decode_layer_sees_changes_after_a_step(layout, change, monkeypatch):
     calls.clear()
     layouts = record_weight_layouts(monkeypatch)
     cached = model.forward(*args)
-    assert calls == [change != "off"] * len(model.layers)
+    # switched off, the blocks have no fused call to try: their modules run
+    assert calls == ([] if change == "off" else [True] * len(model.layers))
     if change == "layout":  # (the tiny model's sums often round alike in both layouts)
         # (without oneDNN's bf16, as on AVX2 CPUs, the tiles' rows go to F.linear; with no
         # packed copy in the first place, the model's linears stay plain)
@@ -218,15 +225,15 @@ def test_decode_layer_sees_changes_after_a_step(layout, change, monkeypatch):
 
 
 def count_decode_key_calls(monkeypatch):
-    """-> a list that grows by one per TransformerBlock._decode_key call (the modules' check)."""
+    """-> a list that grows by one per fused_layers.block_key call (the modules' check)."""
     calls = []
-    original = TransformerBlock._decode_key
+    original = fused_layers.block_key
 
-    def counted(self):
-        calls.append(self)
-        return original(self)
+    def counted(block):
+        calls.append(block)
+        return original(block)
 
-    monkeypatch.setattr(TransformerBlock, "_decode_key", counted)
+    monkeypatch.setattr(fused_layers, "block_key", counted)
     return calls
 
 
@@ -375,7 +382,7 @@ def test_blocks_as_decode_layers_calls(layout, feature_layers, monkeypatch):
 def test_eagle_draft_level_as_decode_layer(layout, start, num_new, monkeypatch):
     """An EAGLE-2 head's layer (identity input norm) on tree nodes start..start+M-1 runs as
     one decode_layer call, bitwise its modules (hidden and the head's cache)."""
-    from specdec.eagle import EagleHead
+    from specdec.drafters.eagle_head import EagleHead
 
     calls = count_decode_layer_calls(monkeypatch)
     model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Host memory in 2 MB pages (specdec.host_memory): copies are bitwise, aligned and independent
+"""Host memory in 2 MB pages (specdec.cpu.host_memory): copies are bitwise, aligned and independent
 of the original; an arena's tensors outlive it and their chunk; SPECDEC_HUGE_PAGES; a
 PackedLinear's tiles live there and give the same bits as from 4 KB pages."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_packed_linear import linear
 
-from specdec import host_memory
-from specdec.host_memory import HUGE_PAGE, HugePageArena, huge_page_buffer
-from specdec.packed_linear import PackedLinear
+from specdec.cpu import host_memory
+from specdec.cpu.host_memory import HUGE_PAGE, HugePageArena, huge_page_buffer
+from specdec.cpu.packed_linear import PackedLinear
 
 HAS_MMAP = hasattr(host_memory.mmap, "MAP_ANONYMOUS")
 needs_mmap = pytest.mark.skipif(not HAS_MMAP, reason="no anonymous mmap on this OS")

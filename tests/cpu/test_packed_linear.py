@@ -1,4 +1,4 @@
-"""Prepacked bf16 linears (specdec.packed_linear): oneDNN's copy gives the same numbers as
+"""Prepacked bf16 linears (specdec.cpu.packed_linear): oneDNN's copy gives the same numbers as
 F.linear, the tiles' float32 sums within rounding of float64 and row by row the same whatever
 the other rows; the layout chosen by rows (SPECDEC_TILED_ROWS), a weight changed in place is
 repacked, training and other dtypes untouched, the engine's switch."""
@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec import packed_linear
-from specdec.packed_linear import PackedLinear
+from specdec.cpu import packed_linear
+from specdec.cpu.packed_linear import PackedLinear
 
-from test_engine import bf16_run, tiny_model
+from model_testing import bf16_run, tiny_model
 
 ONEDNN = packed_linear._supported()  # oneDNN's bf16 layout
 PACKS = packed_linear.packs()  # the linears are packed by default here
@@ -214,7 +214,7 @@ def test_engine_bf16_same_tokens_packed_or_not(tree, monkeypatch):
 def test_subclasses_with_their_own_forward_are_left_alone():
     """Tensor parallelism's row-parallel linear sums its partial outputs in forward: switching
     its class would drop the all_reduce."""
-    from specdec.tp import RowParallelLinear
+    from specdec.models.tensor_parallel import RowParallelLinear
 
     model = tiny_model().to(torch.bfloat16)
     block = model.layers[0]
@@ -230,10 +230,10 @@ def test_subclasses_with_their_own_forward_are_left_alone():
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_eagle_draft_lm_head_runs_prepacked(rows, layout, monkeypatch):
     """An EAGLE-2 head with a draft vocabulary drafts through its own copy of the lm_head
-    rows: prepacked once the head's linears are (decode_path): oneDNN's bitwise F.linear's
+    rows: prepacked once the head's linears are (specdec.cpu): oneDNN's bitwise F.linear's
     logits, the tiles' as tiled_linear computes them."""
-    from specdec import decode_path
-    from specdec.eagle import EagleHead
+    from specdec import cpu
+    from specdec.drafters.eagle_head import EagleHead
     from specdec_kernels import ops
 
     monkeypatch.setenv("SPECDEC_TILED_ROWS", "64" if layout == "tiles" else "0")
@@ -243,7 +243,7 @@ def test_eagle_draft_lm_head_runs_prepacked(rows, layout, monkeypatch):
     with torch.no_grad():
         plain = head.draft_logits(hidden)
         assert not head._draft_lm_pack._packed  # plain linears: F.linear
-        decode_path.configure(head)
+        cpu.configure(head)
         assert isinstance(head.fc, PackedLinear)
         packed = head.draft_logits(hidden)
     assert list(head._draft_lm_pack._packed) == [layout]

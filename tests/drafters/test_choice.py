@@ -1,8 +1,8 @@
-"""specdec.apps.drafter_choice: the drafter flags, checked before any model loads."""
+"""specdec.drafters.choice: the drafter flags, checked before any model loads."""
 
 import pytest
 
-from specdec.apps.drafter_choice import DrafterChoice
+from specdec.drafters.choice import DrafterChoice
 from specdec.errors import InvalidRequestError
 
 

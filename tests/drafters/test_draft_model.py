@@ -10,16 +10,16 @@ import copy
 
 import pytest
 import torch
-from test_adaptive import CHEAP_VERIFY
 
-from specdec.config import ModelArgs
 from specdec.drafters.base import root_only
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
-from specdec.model import Transformer
+from specdec.models.config import ModelArgs
+from specdec.models.llama import Transformer
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
 
-from test_engine import PROMPTS, SAMPLING, run, same_distribution_pvalue, tiny_model
+from model_testing import CHEAP_VERIFY, PROMPTS, SAMPLING, run, same_distribution_pvalue, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -287,7 +287,7 @@ def test_topk_beyond_the_vocabulary(model):
 
 # ---------------------------------------------------------------------- cost model
 def test_measure_cost_fills_draft_times(model):
-    from specdec.drafting import TreeSpec
+    from specdec.speculation.trees import TreeSpec
 
     drafter = DraftModelDrafter.self_draft(model, 2)
     cost = drafter.measure_cost(model, TreeSpec.parse("adaptive:3,2,6"), 2)

@@ -9,14 +9,22 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_adaptive import CHEAP_VERIFY
 
 from specdec.drafters import Drafter, NgramDrafter, PlainDrafter, Proposal
 from specdec.drafters.ngram import MAX_OCCURRENCES
-from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidRequestError
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
 
-from test_engine import PROMPTS, SAMPLING, oracle_head, run, same_distribution_pvalue, tiny_model
+from model_testing import (
+    CHEAP_VERIFY,
+    PROMPTS,
+    SAMPLING,
+    oracle_head,
+    run,
+    same_distribution_pvalue,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -277,10 +285,10 @@ def test_cli_rejects_before_loading_the_model(capsys, argv, message):
 
 
 def test_ngram_adaptive_sizes_each_request():
-    """Adaptive per request (issue 12): a request that repeats its prompt gets long n-gram
+    """Adaptive per request: a request that repeats its prompt gets long n-gram
     trees, one whose lookups are split and wrong gets (nearly) the root only, in the same
     batch; outputs stay exact."""
-    from specdec.adaptive import CostModel
+    from specdec.speculation.cost_model import CostModel
 
     model = copying_model()
     # every extra node costs 0.3 of a plain step (the forward computes real nodes only)

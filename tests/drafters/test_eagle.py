@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import specdec_kernels.ops as ops
-from specdec.config import ModelArgs
-from specdec.eagle import EagleHead, load_head
+from specdec.drafters.eagle_head import EagleHead, load_head
 from specdec.errors import HeadMismatchError, ModelLoadError
-from specdec.model import Transformer
+from specdec.models.config import ModelArgs
+from specdec.models.llama import Transformer
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 32, 4, 2, 8, 48, 40
 

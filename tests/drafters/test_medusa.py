@@ -1,5 +1,5 @@
-"""Medusa heads (specdec.medusa), their drafter (specdec.drafters.medusa) and trainer
-(specdec.apps.train_medusa).
+"""Medusa heads (specdec.drafters.medusa_heads), their drafter (specdec.drafters.medusa) and trainer
+(specdec.training.medusa).
 
 Greedy decoding with random heads must reproduce plain greedy decoding at batch 1 and 3 (a
 slot reused) for chain, sparse-tree and adaptive trees; sampled decoding must follow the
@@ -11,19 +11,27 @@ import os
 
 import pytest
 import torch
-from test_adaptive import CHEAP_VERIFY
 from test_drafters import N_SEEDS, REPEATING
-from test_train import data_dir, target  # noqa: F401 (fixtures: tiny self-distillation shards)
 
-from specdec.apps.train import load_shards
-from specdec.apps.train_medusa import evaluate_medusa, make_medusa_batch, train_medusa
 from specdec.drafters import PlainDrafter
 from specdec.drafters.medusa import MedusaDrafter, generic_prior, sparse_tree
-from specdec.engine import Engine, Request, SamplingParams
+from specdec.drafters.medusa_heads import MedusaHeads, load_medusa
 from specdec.errors import HeadMismatchError, InvalidTreeSpecError, ModelLoadError
-from specdec.medusa import MedusaHeads, load_medusa
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
+from specdec.training.data import load_shards
+from specdec.training.medusa import evaluate_medusa, make_medusa_batch, train_medusa
 
-from test_engine import PROMPTS, SAMPLING, run, same_distribution_pvalue, tiny_model
+from model_testing import (  # noqa: F401 (fixtures: tiny self-distillation shards)
+    CHEAP_VERIFY,
+    PROMPTS,
+    SAMPLING,
+    data_dir,
+    run,
+    same_distribution_pvalue,
+    target,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -228,7 +236,7 @@ def test_trainer_learns_and_writes_loadable_heads(target, data_dir, tmp_path):  
 def test_cli_train_kind_medusa(target, data_dir, tmp_path, monkeypatch):  # noqa: F811
     from specdec.cli import main
 
-    monkeypatch.setattr("specdec.loader.load_model", lambda *a, **k: (target, None))
+    monkeypatch.setattr("specdec.models.loader.load_model", lambda *a, **k: (target, None))
     out = str(tmp_path / "cli")
     main(
         ["train-head", "--kind", "medusa", "--medusa-heads", "3", "--output", out,
@@ -244,7 +252,7 @@ def test_shipped_heads_draft_for_the_default_model():
     """The packaged heads load for the default model (through the CLI's default), stay small,
     and float32 greedy decoding with them is plain decoding, with drafts accepted."""
     from specdec.heads import shipped_medusa_path
-    from specdec.loader import load_model
+    from specdec.models.loader import load_model
 
     path = shipped_medusa_path()
     assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 10 * 2**20

@@ -4,16 +4,23 @@ the better part's where the output copies the prompt."""
 
 import pytest
 import torch
-from test_adaptive import CHEAP_VERIFY
 from test_drafters import copying_model, run_with
 
 from specdec.drafters import EagleDrafter, MergedDrafter, NgramDrafter, PlainDrafter
+from specdec.drafters.eagle_head import EagleHead
 from specdec.drafters.merged import merge_trees
-from specdec.eagle import EagleHead
-from specdec.engine import Engine, Request, SamplingParams
 from specdec.errors import InvalidTreeSpecError
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
 
-from test_engine import SAMPLING, oracle_head, run, same_distribution_pvalue, tiny_model
+from model_testing import (
+    CHEAP_VERIFY,
+    SAMPLING,
+    oracle_head,
+    run,
+    same_distribution_pvalue,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -14,12 +14,12 @@ import torch
 pytest.importorskip("transformers")
 
 import specdec_kernels.ops as ops  # noqa: E402
-from specdec import engine as engine_module  # noqa: E402
-from specdec.eagle import EagleHead  # noqa: E402
+from specdec.drafters.eagle_head import EagleHead  # noqa: E402
 from specdec.errors import HeadMismatchError, InvalidRequestError, InvalidTreeSpecError  # noqa: E402
 from specdec.integrations.transformers import ATTENTION_NAME, HFTarget, generate  # noqa: E402
+from specdec.runtime import engine as engine_module  # noqa: E402
 
-from test_engine import (  # noqa: E402
+from model_testing import (  # noqa: E402
     N_TOKENS,
     PROMPTS,
     always_accept,
@@ -318,8 +318,8 @@ QUESTIONS = [
 def test_default_model_with_shipped_head_equals_hf_generate():
     """SmolLM2-135M-Instruct loaded by transformers (float32), the shipped EAGLE head
     (head="auto"), 20 chat prompts x 16 tokens: greedy ids equal hf_model.generate's."""
-    from specdec.apps.hf_baseline import load_hf
-    from specdec.loader import load_model
+    from specdec.bench.hf import load_hf
+    from specdec.models.loader import load_model
 
     hf_model = load_hf(None, torch.float32, "cpu")
     _, tok = load_model()

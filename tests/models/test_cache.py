@@ -2,7 +2,7 @@
 
 import torch
 
-from specdec.cache import PagedKVCache
+from specdec.models.cache import PagedKVCache
 
 
 def reference_rows(cache, slots, positions):

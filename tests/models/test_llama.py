@@ -9,9 +9,14 @@ import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec.config import ModelArgs
-from specdec.loader import default_model_path, gguf_checkpoint_dir, load_checkpoint_dir, load_model
-from specdec.model import Transformer
+from specdec.models.config import ModelArgs
+from specdec.models.llama import Transformer
+from specdec.models.loader import (
+    default_model_path,
+    gguf_checkpoint_dir,
+    load_checkpoint_dir,
+    load_model,
+)
 from specdec_kernels.testing import random_parents
 
 TOL = dict(atol=1e-4, rtol=1e-4)

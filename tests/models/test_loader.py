@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec import loader
-from specdec.config import ModelArgs
 from specdec.errors import ModelLoadError
-from specdec.gguf_convert import unpermute_rotary
-from specdec.tokenizer import Tokenizer
+from specdec.models import loader
+from specdec.models.config import ModelArgs
+from specdec.models.gguf import unpermute_rotary
+from specdec.models.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],

@@ -1,4 +1,5 @@
-"""Tensor parallelism (specdec.tp): greedy float32 output over 2 gloo ranks equals 1 rank.
+"""Tensor parallelism (specdec.models.tensor_parallel): greedy float32 output over 2 gloo ranks
+equals 1 rank.
 
 The workers are this file run as a script, one process per rank with torchrun's environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), all scenarios in one launch (start-up dominates);
@@ -16,12 +17,13 @@ import sys
 import pytest
 import torch
 
-from specdec import tp
-from specdec.eagle import EagleHead
-from specdec.engine import Engine, Request, SamplingParams
+from specdec.drafters.eagle_head import EagleHead
 from specdec.errors import InvalidRequestError
+from specdec.models import tensor_parallel as tp
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
 
-from test_engine import (
+from model_testing import (
     N_TOKENS,
     PROMPTS,
     oracle_head,
@@ -277,9 +279,9 @@ def test_init_without_torchrun_is_a_clear_error(monkeypatch):
 
 # ---------------------------------------------------------------------- the CLI under torchrun
 def test_cli_tp2_under_torchrun_equals_tp1(tmp_path):
-    from test_cli import write_tiny_checkpoint
-
     from specdec.cli import main
+
+    from model_testing import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "model")
     prompts = tmp_path / "in.jsonl"
@@ -337,9 +339,9 @@ def test_cli_tp2_under_torchrun_equals_tp1(tmp_path):
 
 
 def test_cli_tp_without_torchrun_is_one_error_line(tmp_path, capsys, monkeypatch):
-    from test_cli import write_tiny_checkpoint
-
     from specdec.cli import main
+
+    from model_testing import write_tiny_checkpoint
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ckpt = write_tiny_checkpoint(tmp_path / "model")

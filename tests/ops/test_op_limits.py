@@ -1,4 +1,4 @@
-"""Regression tests for the limits of the ops (issue 10, items 1-4), on every backend.
+"""Regression tests for the limits of the ops (docs/ops.md, Bad input), on every backend.
 
 Each case once crashed, wrote out of bounds, silently truncated or returned NaN:
   1. compact_kv on a cache with block_size 0 died of SIGFPE;

@@ -1,4 +1,5 @@
-"""The compiled verify step (specdec.compiled_step): same outputs and same greedy decoding as
+"""The compiled verify step (specdec.runtime.compiled_step): same outputs and same greedy
+decoding as
 the eager forward (float32, tiny models), the specdec ops inside one full graph, the switch.
 
 Inductor compiles take seconds per shape even for the tiny model, so the tests compile few
@@ -9,11 +10,11 @@ import pytest
 import torch
 
 import specdec_kernels.ops as ops
-from specdec import compiled_step
-from specdec.eagle import EagleHead
-from specdec.model import Transformer
+from specdec.drafters.eagle_head import EagleHead
+from specdec.models.llama import Transformer
+from specdec.runtime import compiled_step
 
-from test_engine import run, tiny_model
+from model_testing import run, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -9,59 +9,26 @@ predicts the target's residual-free next token) makes it frequent for long chain
 
 import pytest
 import torch
-from scipy.stats import chi2_contingency
 
 import specdec_kernels.ops as ops
-from specdec import engine as engine_module
-from specdec.config import ModelArgs
-from specdec.eagle import EagleHead
-from specdec.engine import Engine, Request, SamplingParams
+from specdec.drafters.eagle_head import EagleHead
 from specdec.errors import InvalidRequestError
-from specdec.model import Transformer
+from specdec.runtime import engine as engine_module
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
+
+from model_testing import (
+    PROMPTS,
+    SAMPLING,
+    always_accept,
+    first_tokens,
+    oracle_head,
+    run,
+    same_distribution_pvalue,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
-
-
-def tiny_model(vocab_size=32, layer_scale=0.005, seed=0):
-    """A random 3-layer model; layer_scale shrinks the layers' contribution to the residual
-    stream, so the next token is mostly a function of the current one (predictable)."""
-    args = ModelArgs(
-        vocab_size=vocab_size,
-        dim=32,
-        n_layers=3,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        hidden_dim=64,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    model = Transformer(args).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() > 1 else 0.1))
-        for layer in model.layers:
-            layer.attention.wo.weight.mul_(layer_scale)
-            layer.feed_forward.w2.weight.mul_(layer_scale)
-    return model
-
-
-def oracle_head(model):
-    """EAGLE-2 head whose output is the embedding of its input token: fc = [I, 0], no
-    attention / MLP contribution; the target's lm_head then scores it much like the target."""
-    head = EagleHead.random(model, version=2, seed=0)
-    dim = model.args.dim
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, :dim] = torch.eye(dim)
-        head.layer.attention.wo.weight.zero_()
-        head.layer.feed_forward.w2.weight.zero_()
-    return head
 
 
 @pytest.fixture(scope="module")
@@ -75,24 +42,6 @@ def contextual_model():
     """Full-strength random layers: the next token depends on the whole context, so any
     KV-cache / attention mistake changes the output."""
     return tiny_model(layer_scale=1.0, seed=1)
-
-
-def run(model, head, tree, batch_size, params=None, prompts=PROMPTS, **kw):
-    eng = Engine(model, head=head, tree=tree, batch_size=batch_size, max_seq_len=96, **kw)
-    params = params or SamplingParams(max_new_tokens=24)
-    results, stats = eng.generate([Request(p, params) for p in prompts])
-    return [r.token_ids for r in results], stats
-
-
-def bf16_run(tree, monkeypatch, **env):
-    """Greedy tokens of a bf16 contextual tiny model with a random EAGLE-2 head, the engine run
-    under the environment variables env -> (tokens, model, head)."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    model = tiny_model(layer_scale=1.0, seed=1).to(torch.bfloat16)
-    head = EagleHead.random(model, version=2, seed=0).to(torch.bfloat16)
-    tokens, _ = run(model, head, tree, batch_size=2)
-    return tokens, model, head
 
 
 @pytest.mark.parametrize(
@@ -253,39 +202,6 @@ def test_invalid_requests(model, bad):
         eng.generate([Request(prompt, SamplingParams(**bad))])
 
 
-# ---------------------------------------------------------------------- distribution
-N_SEEDS = 3000
-N_TOKENS = 3
-
-
-def first_tokens(model, head, tree, params, **engine_kw):
-    """[N_SEEDS, N_TOKENS] generated tokens, one seeded request per row."""
-    eng = Engine(model, head=head, tree=tree, batch_size=250, max_seq_len=32, **engine_kw)
-    reqs = [
-        Request([1, 2, 3], SamplingParams(**params, seed=s, max_new_tokens=N_TOKENS))
-        for s in range(N_SEEDS)
-    ]
-    results, _ = eng.generate(reqs)
-    return torch.tensor([r.token_ids for r in results])
-
-
-def same_distribution_pvalue(a, b):
-    """Smallest p-value of chi-square two-sample tests: per position, and for the joint of the
-    first two tokens (cells with few samples pooled)."""
-    pvals = []
-    columns = [a[:, i] for i in range(N_TOKENS)], [b[:, i] for i in range(N_TOKENS)]
-    columns[0].append(a[:, 0] * 1000 + a[:, 1])
-    columns[1].append(b[:, 0] * 1000 + b[:, 1])
-    for x, y in zip(*columns):
-        cells = torch.cat((x, y)).unique()
-        table = torch.stack([(x[:, None] == cells).sum(0), (y[:, None] == cells).sum(0)])
-        big = table.sum(0) >= 10
-        table = torch.cat((table[:, big], table[:, ~big].sum(1, keepdim=True)), 1)
-        table = table[:, table.sum(0) > 0]
-        pvals.append(chi2_contingency(table.numpy())[1])
-    return min(pvals)
-
-
 @pytest.fixture(scope="module")
 def small_vocab_model():
     return tiny_model(vocab_size=16, layer_scale=0.01, seed=3)
@@ -297,9 +213,6 @@ def plain_samples(small_vocab_model):
         key: first_tokens(small_vocab_model, None, "chain:1", params)
         for key, params in SAMPLING.items()
     }
-
-
-SAMPLING = {"t1": dict(temperature=1.0), "filtered": dict(temperature=0.7, top_k=6, top_p=0.9)}
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
@@ -319,44 +232,6 @@ def test_sampled_chain_with_draft_vocabulary_follows_target(small_vocab_model, p
     assert same_distribution_pvalue(spec, plain_samples["t1"]) > 1e-3
 
 
-def always_accept(
-    target_logits,
-    draft_tokens,
-    parents,
-    num_nodes,
-    draft_probs,
-    temperature,
-    top_k,
-    top_p,
-    uniforms,
-):
-    """A broken sampler: follows the first child down to a leaf, accepting every draft."""
-    accepted, num_accepted, out = ops.tree_rejection_sample(
-        target_logits,
-        draft_tokens,
-        parents,
-        num_nodes,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        uniforms,
-    )
-    for b in range(parents.shape[0]):
-        path = [0]
-        while True:
-            kids = [c for c in range(1, int(num_nodes[b])) if int(parents[b, c]) == path[-1]]
-            if not kids:
-                break
-            path.append(kids[0])
-        k = len(path)
-        accepted[b, :k] = torch.tensor(path)
-        out[b, : k - 1] = draft_tokens[b, path[1:]]
-        out[b, k - 1] = int(target_logits[b, path[-1]].argmax())
-        num_accepted[b] = k - 1
-    return accepted, num_accepted, out
-
-
 def test_broken_sampler_is_detected(small_vocab_model, plain_samples, monkeypatch):
     class BrokenOps:
         def __getattr__(self, name):
@@ -372,7 +247,7 @@ def test_broken_sampler_is_detected(small_vocab_model, plain_samples, monkeypatc
 # ---------------------------------------------------------------------- the real model
 @pytest.mark.slow
 def test_default_model_greedy_speculative_equals_plain():
-    from specdec.loader import load_model
+    from specdec.models.loader import load_model
 
     model, tok = load_model()
     prompts = [

@@ -1,18 +1,19 @@
-"""Failures of the engine API (issue 10): typed errors before any work, and a request that
+"""Failures of the engine API: typed errors before any work, and a request that
 fails (validation, NaN logits) finishing alone with finish_reason "error" while the others
 complete exactly as they would have. Tiny random models, a few seconds in all."""
 
 import pytest
 import torch
 
-from specdec import adaptive
-from specdec.adaptive import CostModel
-from specdec.drafting import TreeSpec
-from specdec.eagle import EagleHead
-from specdec.engine import Engine, Request, SamplingParams
+from specdec.drafters.eagle_head import EagleHead
 from specdec.errors import InvalidRequestError, InvalidTreeSpecError
+from specdec.runtime.engine import Engine
+from specdec.runtime.requests import Request, SamplingParams
+from specdec.speculation import cost_model
+from specdec.speculation.cost_model import CostModel
+from specdec.speculation.trees import TreeSpec
 
-from test_engine import PROMPTS, oracle_head, tiny_model
+from model_testing import PROMPTS, oracle_head, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -197,7 +198,7 @@ def test_tree_must_fit_the_cache(model, monkeypatch, tree):
     model's context (tiny_model: 256 positions) holds the tree and at least a 1-token prompt.
     (These used to fail at the first request, saying it was longer than a cache of a
     negative number of positions.)"""
-    monkeypatch.setattr(adaptive.CostModel, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(cost_model.CostModel, "measure", lambda *a, **k: pytest.fail("measured"))
     with pytest.raises(
         InvalidTreeSpecError, match=r"nodes, more than the cache allows \(at most 255"
     ):

@@ -1,4 +1,4 @@
-"""The online API (issue 15): Engine.submit / Engine.step / RequestHandle.
+"""The online API: Engine.submit / Engine.step / RequestHandle.
 
 A request's greedy output must not depend on when it arrived or who shared its steps
 (continuous batching: requests join between steps, finished ones leave), and sampled output
@@ -6,14 +6,14 @@ must be reproducible from its seed, for a fixed tree, whatever the arrival patte
 random models, a few seconds per test."""
 
 import pytest
-from test_adaptive import CHEAP_VERIFY
 
 from specdec.drafters import NgramDrafter
-from specdec.eagle import EagleHead
-from specdec.engine import Engine, Request, RequestHandle, SamplingParams
+from specdec.drafters.eagle_head import EagleHead
 from specdec.errors import InvalidRequestError
+from specdec.runtime.engine import Engine, RequestHandle
+from specdec.runtime.requests import Request, SamplingParams
 
-from test_engine import PROMPTS, oracle_head, tiny_model
+from model_testing import CHEAP_VERIFY, PROMPTS, oracle_head, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -231,7 +231,9 @@ def test_timing_collects_the_steps_inside_its_block(model, monkeypatch):
     eng = Engine(model, batch_size=2, max_seq_len=64)
     fake = iter(range(1000))
     # every timed phase lasts exactly 1 fake second (stats.timed reads its clock twice)
-    monkeypatch.setattr("specdec.stats.time", SimpleNamespace(perf_counter=lambda: next(fake)))
+    monkeypatch.setattr(
+        "specdec.runtime.stats.time", SimpleNamespace(perf_counter=lambda: next(fake))
+    )
     eng.submit(Request(PROMPTS[0], SamplingParams(max_new_tokens=3)))
     eng.step()  # outside: not counted
     with eng.timing() as t:

@@ -1,11 +1,11 @@
-"""Latency percentiles of the aggregate Stats (issue 15)."""
+"""Latency percentiles of the aggregate Stats."""
 
 import re
 
 import numpy as np
 import pytest
 
-from specdec.stats import PHASES, Stats, percentiles
+from specdec.runtime.stats import PHASES, Stats, percentiles
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.adaptive import CALIBRATION_PRIOR, DECAY, MAX_PROBE, CostModel, Policy, _bands
 from specdec.drafters.base import Proposal
-from specdec.drafting import TreeSpec
-from specdec.eagle import EagleHead
-from specdec.engine import Engine
+from specdec.drafters.eagle_head import EagleHead
+from specdec.runtime.engine import Engine
+from specdec.speculation.cost_model import CostModel
+from specdec.speculation.policy import CALIBRATION_PRIOR, DECAY, MAX_PROBE, Policy, _bands
+from specdec.speculation.trees import TreeSpec
 
-from test_engine import (
+from model_testing import (
+    CHEAP_VERIFY,
     PROMPTS,
     SAMPLING,
     first_tokens,
@@ -24,8 +26,6 @@ from test_engine import (
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 SPEC = TreeSpec.parse("adaptive:4,3,10")
-# verifying a bigger tree costs little: speculation pays whenever drafts are accepted
-CHEAP_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 1.01, 1.02, 1.05], [0.02, 0.04, 0.06, 0.08])
 # every drafted node costs as much as a whole forward: speculation never pays
 DEAR_VERIFY = CostModel(1, [1, 2, 4, 10], [1.0, 2.0, 4.0, 10.0], [0.5, 1.0, 1.5, 2.0])
 # the start-up timed bigger trees dear (noise, or a loop unlike the steps)
@@ -132,13 +132,13 @@ def test_cost_model_measure_stops_where_a_tree_cannot_pay(monkeypatch):
     """A fake clock (no wall-clock dependence): verify costs T seconds for T nodes, so the
     measuring stops at the first size dearer than depth + 1 = 5 plain steps (6 nodes), and
     verify() extrapolates."""
-    import specdec.adaptive as adaptive
+    import specdec.speculation.cost_model as cost_model_module
 
     def fake_median_time(fn, repeats, device):
         first = fn.__defaults__[0]  # verify binds its tokens [B, T], a draft its levels
         return float(first.shape[1]) if isinstance(first, torch.Tensor) else 0.5
 
-    monkeypatch.setattr(adaptive, "median_time", fake_median_time)
+    monkeypatch.setattr(cost_model_module, "median_time", fake_median_time)
     model = tiny_model()
     cost = CostModel.measure(model, EagleHead.random(model, seed=0), SPEC, batch_size=2, repeats=1)
     assert cost.verify_tokens == [1, 2, 3, 4, 5, 6]
@@ -310,7 +310,7 @@ def test_sampled_adaptive_follows_target(small_vocab_model, sampling):
     assert same_distribution_pvalue(spec, plain) > 1e-3
 
 
-# live occupancy (issue 15): verifying a tree is nearly free for one request, but with four
+# live occupancy: verifying a tree is nearly free for one request, but with four
 # requests in the batch every node costs as much as a whole forward (a compute-bound machine)
 LOAD = CostModel(
     4,
@@ -392,7 +392,7 @@ def test_engine_trees_shrink_under_load():
     assert lone_stats.nodes_per_step > 2.0 and full_stats.nodes_per_step < 1.2
 
 
-# per request (issue 12): every extra node costs 0.3 of a plain step (the packed forward
+# per request: every extra node costs 0.3 of a plain step (the packed forward
 # computes the real nodes only), drafting is nearly free
 PER_NODE = CostModel(2, [1, 2, 4, 10], [1.0, 1.3, 1.9, 3.7], [0.02, 0.04, 0.06, 0.08])
 
@@ -598,10 +598,10 @@ def test_measured_costs_are_priced_by_their_lower_convex_envelope():
     to the envelope, and so is a dip (verify(16) < verify(8)): a bigger tree never costs less,
     and one more node never costs less than the one before. Already convex, non-decreasing
     curves are unchanged; so are one-point curves."""
-    from specdec.adaptive import cost_curve
+    from specdec.speculation.cost_model import cost_curve
 
     sizes = [1, 2, 4, 8, 16, 32]
-    measured = [8.19, 9.42, 9.85, 10.57, 14.82, 20.93]  # session 16's start-up timing, ms
+    measured = [8.19, 9.42, 9.85, 10.57, 14.82, 20.93]  # a start-up timing on a 2-core Zen 3, ms
     curve = cost_curve(sizes, measured)
     assert curve[0] == 8.19 and curve[3] == 10.57 and curve[5] == 20.93
     assert curve[1] == pytest.approx(8.19 + (10.57 - 8.19) / 7)  # on the chord 1 -> 8

@@ -8,12 +8,12 @@ import torch
 from scipy.stats import chisquare
 
 import specdec_kernels.ops as ops
-from specdec import drafting
-from specdec.config import ModelArgs
-from specdec.drafting import BatchSampling, Draft, TreeSpec
-from specdec.eagle import EagleHead
+from specdec.drafters.eagle_head import EagleHead
 from specdec.errors import InvalidTreeSpecError
-from specdec.model import Transformer
+from specdec.models.config import ModelArgs
+from specdec.models.llama import Transformer
+from specdec.speculation import trees as drafting
+from specdec.speculation.trees import BatchSampling, Draft, TreeSpec
 from specdec_kernels.reference import process_logits
 
 V = 12

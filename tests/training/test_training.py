@@ -1,4 +1,4 @@
-"""specdec.apps.train: self-distillation shards, the differentiable head pass, training, resume,
+"""specdec.training.eagle: self-distillation shards, the differentiable head pass, training, resume,
 loading."""
 
 import json
@@ -9,64 +9,18 @@ import pytest
 import torch
 
 import specdec_kernels.ops as ops
-from specdec.apps.train import (
-    data_feature_layers,
-    generate_batch,
-    generate_shards,
-    head_loss,
-    head_train_forward,
-    load_shards,
-    make_batch,
-    train_head,
-)
-from specdec.config import ModelArgs
-from specdec.eagle import EagleHead, eagle3_feature_layers, load_head
+from specdec.drafters.eagle_head import EagleHead, eagle3_feature_layers, load_head
 from specdec.errors import InvalidRequestError
 from specdec.heads import DEFAULT_HEAD, EAGLE3_HEAD
-from specdec.model import Transformer
+from specdec.training.data import data_feature_layers, generate_batch, generate_shards, load_shards
+from specdec.training.eagle import head_loss, head_train_forward, make_batch, train_head
 
-EOS = 0
-PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19]]
+from model_testing import TRAIN_EOS, TRAIN_PROMPTS
+
+EOS, PROMPTS = TRAIN_EOS, TRAIN_PROMPTS
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module")
-def target():
-    args = ModelArgs(
-        vocab_size=48,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        hidden_dim=64,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = Transformer(args).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.5 if p.dim() > 1 else 0.1)
-    return model.requires_grad_(False)
-
-
-@pytest.fixture(scope="module")
-def data_dir(target, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("shards"))
-    generate_shards(
-        target,
-        types.SimpleNamespace(eos_token_ids={EOS}),
-        PROMPTS,
-        path,
-        batch_size=3,
-        max_new_tokens=12,
-        progress=False,
-    )
-    return path
 
 
 @pytest.mark.parametrize("version", [2, 3])
@@ -247,7 +201,7 @@ def test_distribution_token_loss_is_cross_entropy_to_the_targets_distribution(
     t + 1 @ lm_head rows) over every scored position (float64 oracle here). A head that
     reproduces the target's feature reaches the distribution's entropy (its minimum) and no
     feature loss; a perturbed one pays more than the entropy."""
-    import specdec.apps.train as train_mod
+    import specdec.training.eagle as train_mod
 
     batch = make_batch(load_shards(data_dir))
     _, _, feat_out, labels, mask = batch
@@ -346,7 +300,7 @@ def test_shipped_heads_draft_for_the_default_model(name, version):
     model, by name too, stay small, and predict the model's own greedy continuation far better
     than chance (a random head scores ~0)."""
     from specdec.heads import resolve_head, shipped_head_path, shipped_heads
-    from specdec.loader import load_model
+    from specdec.models.loader import load_model
 
     assert name in shipped_heads() and shipped_head_path() == resolve_head(DEFAULT_HEAD)
     path = resolve_head(name)
@@ -379,7 +333,7 @@ def test_resolve_head_names_and_paths(tmp_path):
 def test_prompt_datasets():
     """MT-bench first turns (evaluation) and ShareGPT first turns (training) never overlap;
     the ShareGPT list is prefix-stable in n (data runs can be extended)."""
-    from specdec.apps.data import mtbench_prompts, sharegpt_prompts
+    from specdec.datasets import mtbench_prompts, sharegpt_prompts
 
     mt = mtbench_prompts()
     assert len(mt) == 80 and all(isinstance(p, str) and p for p in mt)
@@ -393,7 +347,7 @@ def test_prompt_datasets():
 @pytest.fixture(scope="module")
 def target3():
     """A 3-layer target (EAGLE-3 fuses three distinct layers: 0, 1, 2 here)."""
-    from test_engine import tiny_model
+    from model_testing import tiny_model
 
     return tiny_model(vocab_size=48, layer_scale=0.2).requires_grad_(False)
 
@@ -463,7 +417,7 @@ def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, eag
     head loads with load_head as an EAGLE-3 head over the data's draft vocabulary and
     predicts the data far better than a random head; the engine's greedy output with it
     equals plain decoding at batch 1 and with a request joining a freed slot."""
-    from test_engine import run
+    from model_testing import run
 
     out, log = eagle3_trained
     seqs = load_shards(data_dir3, features="aux")
@@ -508,7 +462,7 @@ def test_eagle3_training_learns_loads_and_drafts_exactly(target3, data_dir3, eag
 def test_sampled_output_with_a_trained_eagle3_head_follows_plain(target3, eagle3_trained, tree):
     """Sampled drafts from the trained head's 12-token draft vocabulary (draft_probs zero
     outside it): the output distribution is plain decoding's (two-sample test)."""
-    from test_engine import SAMPLING, first_tokens, same_distribution_pvalue
+    from model_testing import SAMPLING, first_tokens, same_distribution_pvalue
 
     head = load_head(eagle3_trained[0], target3)
     plain = first_tokens(target3, None, "chain:1", SAMPLING["t1"])
@@ -529,7 +483,7 @@ def test_cli_train_eagle_version_3(
     from specdec.cli import main
 
     def cli(model, data, out):
-        monkeypatch.setattr("specdec.loader.load_model", lambda *a, **k: (model, None))
+        monkeypatch.setattr("specdec.models.loader.load_model", lambda *a, **k: (model, None))
         main(
             ["train-head", "--eagle-version", "3", "--ttt-steps", "2", "--draft-vocab", "10",
              "--output", out, "--data-dir", data, "--stage", "train", "--epochs", "1",

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..stats import Stats
-from .common import warm_up
-from .drafter_choice import DrafterChoice
-from .hf_baseline import run_hf
+from specdec.bench.common import warm_up
+from specdec.bench.hf import run_hf
+from specdec.drafters.choice import DrafterChoice
+from specdec.runtime.stats import Stats
 
 # the fixed tree of each drafter's fixed-tree row (adaptive rows use --adaptive)
 FIXED_TREES = {
@@ -56,7 +56,8 @@ def run_row(
 ) -> dict:
     """One drafter + tree over every category -> {"overall": stats, "by_category": {..},
     "outputs": {category: [token ids]}} (stats: Stats.to_dict plus startup_s)."""
-    from ..engine import Engine, Request, SamplingParams
+    from specdec.runtime.engine import Engine
+    from specdec.runtime.requests import Request, SamplingParams
 
     prompts = [p for ps in questions.values() for p in ps]
     t0 = time.perf_counter()
@@ -132,7 +133,7 @@ def run_drafter_bench(
 ) -> dict:
     """questions: {category: [prompt text]} -> {"config", "batch1": {temperature: {row:
     {"overall", "by_category"}}}, "sweep": {row: {batch_size: stats}}}."""
-    from .common import machine_info
+    from specdec.bench.common import machine_info
 
     ids = {
         cat: [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in ps]

@@ -74,7 +74,7 @@ def load_hf(model_path, dtype, device):
     dtype and on the device ours runs in."""
     from transformers import AutoModelForCausalLM
 
-    from ..loader import default_model_path, gguf_checkpoint_dir
+    from specdec.models.loader import default_model_path, gguf_checkpoint_dir
 
     path = model_path or default_model_path()
     if path.endswith(".gguf"):
@@ -95,7 +95,7 @@ def run_hf_specdec(
     """specdec inside transformers (specdec.integrations.transformers.generate): the HF
     model's own layers with specdec's tree attention, drafter and sampler, batch size 1, the
     prompts in one call (its setup timed too)."""
-    from ..integrations.transformers import generate
+    from specdec.integrations.transformers import generate
 
     def run(prompts, n):
         return generate(

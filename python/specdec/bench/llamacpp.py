@@ -36,7 +36,7 @@ def import_llama_cpp():
 def bf16_gguf_path(gguf_path: str) -> str:
     """The cached bf16 GGUF of a (quantized) GGUF, written on first use or when the source
     changed: $SPECDEC_CACHE_DIR/<name>.bf16.gguf, beside the converted HF checkpoint dir."""
-    from ..loader import _source_stamp, cache_root
+    from specdec.models.loader import _source_stamp, cache_root
 
     gguf_path = os.path.abspath(gguf_path)
     name = os.path.splitext(os.path.basename(gguf_path))[0]
@@ -214,7 +214,7 @@ def bench_ggufs(model_path: str | None, log=print) -> dict | None:
     importable or the model is not a GGUF."""
     import gguf
 
-    from ..loader import default_model_path
+    from specdec.models.loader import default_model_path
 
     try:
         import_llama_cpp()

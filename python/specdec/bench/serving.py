@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
-from ..errors import InvalidRequestError
-from ..stats import PHASES, Stats, percentiles
-from .common import warm_up
+from specdec.bench.common import warm_up
+from specdec.errors import InvalidRequestError
+from specdec.runtime.stats import PHASES, Stats, percentiles
 
 MULTIPLIERS = (0.1, 0.3, 0.6, 0.9, 1.2, 1.6)  # auto rates: times the measured plain capacity
 MIN_REQUESTS = 8  # requests per rate never go below this (nor above --num-requests)
@@ -73,7 +73,7 @@ def mix_prompts(mtbench: list, sharegpt: list, seed: int) -> tuple:
 
 def _requests(ids: list, n: int, max_new_tokens: int, seed: int) -> list:
     """n greedy requests cycling through the prompts; the same ones at every rate."""
-    from ..engine import Request, SamplingParams
+    from specdec.runtime.requests import Request, SamplingParams
 
     return [
         Request(
@@ -207,7 +207,7 @@ def serve(
 
 def _engine(model, tokenizer, kw: dict, batch_size: int, max_seq_len: int):
     """One method's Engine (kw: head= or drafter= (a factory: a fresh drafter), tree=)."""
-    from ..engine import Engine
+    from specdec.runtime.engine import Engine
 
     kw = dict(kw, drafter=kw["drafter"]()) if "drafter" in kw else kw
     return Engine(model, tokenizer, batch_size=batch_size, max_seq_len=max_seq_len, **kw)
@@ -270,7 +270,7 @@ def run_serving(
     that many requests (config "offline_batch1"; light_load_cut compares against it). config
     records the capacity, the rates, the requests per rate and each method's kind ("plain",
     "fixed", "adaptive") and drafter, which the analysis reads."""
-    from .common import machine_info
+    from specdec.bench.common import machine_info
 
     weight = model.tok_embeddings.weight
     cap = None

@@ -1,11 +1,11 @@
-"""The `specdec` command line: an entry point over the applications in specdec.apps.
+"""The `specdec` command line: one module of specdec.cli per subcommand.
 
     specdec generate --prompt "Why is the sky blue?"            # default model + its EAGLE head
     specdec generate --prompts in.jsonl --output out.jsonl --method plain --batch-size 4
     specdec bench --quick
     specdec train-head --help
 
-Each subcommand is a module of specdec.apps with add_arguments(parser) and run(args) -> exit
+Each subcommand is a module of specdec.cli with add_arguments(parser) and run(args) -> exit
 code, imported only when it is the one asked for (so `specdec generate` never imports the
 benchmark or training code). Entry points import the library, never the reverse: nothing in
 specdec imports this module. Bad input of any kind (a SpecdecError) is one line on stderr and
@@ -16,17 +16,17 @@ import argparse
 import importlib
 import sys
 
-from .errors import SpecdecError
+from specdec.errors import SpecdecError
 
 # name -> (module implementing it, one-line help)
 SUBCOMMANDS = {
-    "generate": ("specdec.apps.generate", "generate text, speculatively (EAGLE) or plainly"),
+    "generate": ("specdec.cli.generate", "generate text, speculatively (EAGLE) or plainly"),
     "train-head": (
-        "specdec.apps.train",
+        "specdec.cli.train_head",
         "train an EAGLE head (or Medusa heads, --kind medusa) by self-distillation",
     ),
     "bench": (
-        "specdec.apps.bench",
+        "specdec.cli.bench",
         "end-to-end benchmark on MT-bench prompts: HF generate, prompt lookup, "
         "plain, EAGLE chain / tree",
     ),

@@ -1,7 +1,7 @@
 """`specdec generate`: decode prompts with the engine, speculatively (EAGLE, n-gram lookup) or
 plainly.
 
-    specdec generate --prompt "Why is the sky blue?"            # default model + its EAGLE head
+    specdec generate --prompt "Why is the sky blue?"  # default model, EAGLE + n-gram, adaptive
     specdec generate --prompts in.jsonl --output out.jsonl --method plain --batch-size 4
     specdec generate --prompts edits.jsonl --method ngram --ngram-max 4 --ngram-min 2 --tree chain:8
     specdec generate --prompt "Why is the sky blue?" --method medusa --tree dynamic:4,4,16
@@ -12,9 +12,9 @@ fails on its own (an invalid prompt among valid ones, NaN logits) is one stderr 
 with finish_reason "error"; the others complete, and the exit code is 1. Results are written as
 requests finish; Ctrl-C keeps them and exits with 130.
 
---tp N (tensor parallelism, specdec.tp): the N processes torchrun launches each hold 1/N of the
-target's attention heads and MLP; rank 0 samples, prints and writes --output, the others are
-silent.
+--tp N (tensor parallelism, specdec.models.tensor_parallel): the N processes torchrun
+launches each hold 1/N of the target's attention heads and MLP; rank 0 samples, prints and
+writes --output, the others are silent.
 """
 
 import argparse
@@ -22,10 +22,14 @@ import json
 import os
 import sys
 
-from ..drafting import TreeSpec
-from ..errors import InvalidRequestError, SpecdecError
-from .common import add_model_placement_arguments, load_model_from_args
-from .drafter_choice import DrafterChoice, add_drafter_arguments
+from specdec.cli.common import (
+    add_drafter_arguments,
+    add_model_placement_arguments,
+    load_model_from_args,
+)
+from specdec.drafters.choice import DrafterChoice
+from specdec.errors import InvalidRequestError, SpecdecError
+from specdec.speculation.trees import TreeSpec
 
 
 def add_arguments(p: argparse.ArgumentParser):
@@ -76,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 def run(args) -> int:
-    from ..engine import SamplingParams, join_errors
+    from specdec.runtime.engine import join_errors
+    from specdec.runtime.requests import SamplingParams
 
     # everything checkable without the model first: bad flags fail fast
     choice = DrafterChoice.from_args(args)
@@ -98,8 +103,8 @@ def run(args) -> int:
         raise InvalidRequestError(join_errors(list(rejected.values())))
     parallel = None
     if args.tp > 1:
-        from ..loader import resolve_device
-        from ..tp import init
+        from specdec.models.loader import resolve_device
+        from specdec.models.tensor_parallel import init
 
         parallel = init(args.tp, resolve_device(args.device))
         args.device = str(parallel.device)  # this rank's GPU
@@ -111,19 +116,20 @@ def run(args) -> int:
         raise
     finally:
         if parallel is not None:
-            from ..tp import shutdown
+            from specdec.models.tensor_parallel import shutdown
 
             shutdown()
 
 
 def _run(args, choice, prompts, rejected, tree, params, parallel) -> int:
-    from ..engine import Engine, Request, join_errors
+    from specdec.runtime.engine import Engine, join_errors
+    from specdec.runtime.requests import Request
 
     model, tokenizer = load_model_from_args(args)
     drafter = choice.build(model, args.model)  # replicated on every rank: built whole
     sampler = None
     if parallel is not None:
-        from ..tp import BroadcastSampler, shard_model
+        from specdec.models.tensor_parallel import BroadcastSampler, shard_model
 
         shard_model(model, parallel.rank, parallel.world)
         sampler = BroadcastSampler()

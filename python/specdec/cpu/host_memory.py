@@ -1,11 +1,11 @@
 """Host memory in 2 MB pages for what a CPU decode step streams in full every step: the bf16
-linears' packed weights (specdec.packed_linear's tiles).
+linears' packed weights (specdec.cpu.packed_linear's tiles).
 
 Why: a decode step on a CPU reads its ~270 MB of weights front to back, and from 4 KB pages
 that stream pays a page walk every 4 KB and its hardware prefetch restarts at every page
-boundary. On the session-13 AMD EPYC (Zen 4, 2 vCPUs) the 121 linears of a SmolLM2-135M step
+boundary. On an AMD EPYC (Zen 4, 2 vCPUs) the 121 linears of a SmolLM2-135M step
 over their tiles took 0.83-0.88x the time from 2 MB pages, a verify step 0.88-0.99x
-(benchmarks/RESULTS.md, session 13; pair by pair, 1 and 2 threads). torch's CPU allocator
+(docs/cpu-decode-path.md; pair by pair, 1 and 2 threads). torch's CPU allocator
 hands out 4 KB pages unless the kernel's transparent huge pages are in `always` mode; in the
 usual `madvise` mode a region gets them only when asked.
 
@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import Tensor
 
-from specdec_kernels import envs
+from specdec import envs
 
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20  # what one mapping holds; a tensor larger than this gets its own

@@ -11,15 +11,15 @@ switches every RMSNorm, Attention and FeedForward of a module (the target, an EA
 the ops when it pays: CPU, bfloat16 / float16 weights, SPECDEC_LAYER_OPS not 0. float32 (the
 exactness contract's dtype) keeps the torch ops, which the references are; the ops round as
 they do, so bf16 outputs match the eager model's but for an ulp of exp / rsqrt. Training and
-torch.compile always take the torch ops (model.use_layer_ops).
+torch.compile always take the torch ops (specdec.models.llama.use_layer_ops).
 """
 
 import torch
 from torch import nn
 
-from specdec_kernels import envs
-
-from .model import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
+from specdec import envs
+from specdec.cpu import fused_layers
+from specdec.models.llama import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 
 _MODULES = (RMSNorm, Attention, FeedForward, TransformerBlock)
 
@@ -52,7 +52,9 @@ def configure(
     parts = [m for m in module.modules() if isinstance(m, _MODULES)]
     for m in parts:
         m.layer_ops = on and (decode_layer or not isinstance(m, TransformerBlock))
-    for m in module.modules():
+    for m in module.modules():  # the whole-block calls' hooks (specdec.cpu.fused_layers)
+        if isinstance(m, TransformerBlock):
+            m.fused_forward = fused_layers.block_forward if on else None
         if isinstance(m, Transformer):
-            m.decode_layers = decode_layers
+            m.fused_layers = fused_layers.layers_forward if on and decode_layers else None
     return len(parts) if on else 0

@@ -8,9 +8,9 @@ call. Two layouts, each made on first use:
   * oneDNN's blocked layout (mkldnn._reorder_linear_weight) for wider products.
 
 At decode sizes (M = 1..64 rows) a CPU forward is a stream over the weights. Measured
-(benchmarks/RESULTS.md): on an Intel Xeon with AMX (session 6) the 121 linears of a
+(docs/cpu-decode-path.md): on an Intel Xeon with AMX the 121 linears of a
 SmolLM2-135M step take ~36 ms per token through F.linear and ~26 ms prepacked in oneDNN, whose
-AMX kernels win from M = 2; on an AMD EPYC without AMX (session 10) oneDNN streams ~10-16 GB/s
+AMX kernels win from M = 2; on an AMD EPYC without AMX oneDNN streams ~10-16 GB/s
 at M = 1 and the tiles ~21-25 GB/s: 1.5-2.4x at 1-6 rows, 1.05x at 64, even at 128. oneDNN's
 results are bitwise those of F.linear up to M = 32; the tiles' are float32 sums in another
 order (within bf16 rounding of them), the same for a row whatever the other rows.
@@ -21,8 +21,8 @@ parameters, state_dict keys, isinstance(nn.Linear) and training are unchanged)
 when it pays: CPU, bfloat16 weights, oneDNN with bf16 support, SPECDEC_PREPACK_WEIGHTS not 0.
 The packed copy is an extra copy of the weights (the original stays for training, state_dict,
 tensor-parallel slicing); a weight changed in place is repacked at its next call. The tiles,
-streamed whole every step, live in 2 MB pages where the OS has them (specdec.host_memory,
-SPECDEC_HUGE_PAGES: a step 0.88-0.99x the time from 4 KB pages, session 13).
+streamed whole every step, live in 2 MB pages where the OS has them (specdec.cpu.host_memory,
+SPECDEC_HUGE_PAGES: a step 0.88-0.99x the time from 4 KB pages).
 """
 
 import functools
@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec_kernels import envs, ops
-
-from . import host_memory
-from .device_memory import free_memory
+from specdec import envs
+from specdec.cpu import host_memory
+from specdec.device_memory import free_memory
+from specdec_kernels import envs as kernel_envs
+from specdec_kernels import ops
 
 
 @functools.cache  # a dispatcher call: WeightPack.get asks on every wide product
@@ -47,13 +48,13 @@ def _supported() -> bool:
 # SPECDEC_TILED_ROWS=auto on CPUs whose widest kernel build is AVX2 (no AVX-512) and whose
 # oneDNN has no bf16: every product. ATen's bf16 product there runs row by row (a step's
 # 269 MB of weights 26 ms at 1 row, 41 at 2, 145 at 8, 2418 at 128 on a 2-core Zen 3), the
-# tiles stream them (22, 22, 35, 515 ms; benchmarks/RESULTS.md, session 18)
+# tiles stream them (22, 22, 35, 515 ms; docs/cpu-decode-path.md)
 AVX2_TILED_ROWS = 1 << 62
 
 
 @functools.cache
 def _auto_tiled_rows(isa_cap: str | None) -> int:
-    """SPECDEC_TILED_ROWS=auto for this CPU (see envs.py)."""
+    """SPECDEC_TILED_ROWS=auto for this CPU (see specdec/envs.py)."""
     capability: dict = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
     if capability.get("avx512_bf16") and isa_cap in (None, "", "avx512bf16"):
         return 1 if capability.get("amx_bf16") else 64
@@ -70,7 +71,7 @@ def _auto_tiled_rows(isa_cap: str | None) -> int:
 def tiled_rows() -> int:
     """Most rows of a product that takes the tiles (SPECDEC_TILED_ROWS; 0: never)."""
     setting = envs.SPECDEC_TILED_ROWS
-    return _auto_tiled_rows(envs.SPECDEC_CPU_ISA) if setting == "auto" else int(setting)
+    return _auto_tiled_rows(kernel_envs.SPECDEC_CPU_ISA) if setting == "auto" else int(setting)
 
 
 def packs() -> bool:
@@ -116,7 +117,8 @@ class WeightPack:
         if packed is None:
             if layout == "tiles":  # streamed whole every step: in 2 MB pages (host_memory)
                 packed = host_memory.streamed(ops.pack_linear_tiles(weight.detach()))
-            else:  # batch-size hint 1: as good as the exact M for M = 1..512 (RESULTS.md)
+            else:  # batch-size hint 1: as good as the exact M for M = 1..512
+                # (docs/cpu-decode-path.md)
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
             self._packed[layout] = packed
         return packed
@@ -172,6 +174,23 @@ class PackedLinear(nn.Linear):
         """x: [..., in_features] -> [..., out_features]."""
         y = self._pack.product(self.weight, x, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+def prepare(module: nn.Module) -> int:
+    """Makes now the copies module's PackedLinears will take in the engine's steps (the tiles
+    for a decode step's few rows, oneDNN's layout for a prompt's many where it has bf16),
+    instead of at the first forward that needs each: a request must not pay them in its
+    time to first token -> how many copies were made (0: none needed or already made)."""
+    linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    wide = tiled_rows() + 1
+    made = 0
+    with torch.no_grad():
+        for m in linears:
+            before = len(m._pack._packed)
+            for rows in (1, wide) if wide <= 1 << 16 else (1,):
+                m.packed_weight(m.weight.new_empty(rows, m.in_features))
+            made += len(m._pack._packed) - before
+    return made
 
 
 _PLAIN = (nn.Linear, PackedLinear)

@@ -1,4 +1,4 @@
-"""Drafters: what proposes each step's draft tree to the engine (specdec.engine).
+"""Drafters: what proposes each step's draft tree to the engine (specdec.runtime.engine).
 
     from specdec.drafters import PlainDrafter, EagleDrafter, NgramDrafter, MedusaDrafter
     engine = Engine(model, tok, drafter=NgramDrafter(max_n=4, min_n=1), tree="chain:6")

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..adaptive import CostModel, Policy
-    from ..drafting import BatchSampling, TreeSpec
-    from ..model import Transformer
+    from specdec.models.llama import Transformer
+    from specdec.speculation.cost_model import CostModel
+    from specdec.speculation.trees import BatchSampling, TreeSizer, TreeSpec
 
 
 @dataclass
@@ -124,7 +124,7 @@ class Drafter(ABC):
 
     def modules(self) -> list[torch.nn.Module]:
         """The modules it runs (Engine.generate trusts them not to change while it runs:
-        model.modules_unchanged)."""
+        specdec.cpu.modules_unchanged)."""
         return []
 
     # ------------------------------------------------------------------ per run
@@ -152,12 +152,12 @@ class Drafter(ABC):
         slots: torch.Tensor,
         roots: torch.Tensor,
         sampling: "BatchSampling",
-        policy: "Policy | None" = None,
+        policy: "TreeSizer | None" = None,
     ) -> Proposal:
         """Draft trees for the requests in slots (long [B]) rooted at roots (long [B], the
         last emitted tokens). sampling: the requests' parameters and generators (a drafter
         that samples must draw from their generators and pass draft_probs). policy: adaptive
-        mode's adaptive.Policy (fill .confidence, size the tree with it)."""
+        mode's tree sizer (fill .confidence, size the tree with it; docs/adaptive.md)."""
 
     @abstractmethod
     def commit(self, slots: torch.Tensor, proposal: Proposal, result: StepResult) -> None:

@@ -1,5 +1,6 @@
-"""Which drafter a command runs: the flags `specdec generate` and `specdec bench` share, and
-the one place that turns them into a specdec.drafters.Drafter.
+"""Which drafter a command runs: the choice the flags of `specdec generate`, `bench` and `serve`
+name (specdec.cli.common.add_drafter_arguments), and the one place that turns it into a
+specdec.drafters.Drafter.
 
     --method plain|eagle|medusa|draft|ngram|eagle+ngram
     --head PATH (eagle, eagle+ngram)   --medusa PATH (medusa)   --draft-model PATH|self:N (draft)
@@ -13,52 +14,10 @@ bad flag fails before the model loads.
 import sys
 from dataclasses import dataclass, replace
 
-from ..errors import InvalidRequestError
+from specdec.errors import InvalidRequestError
 
 RANDOM_HEAD_SEED = 0
 METHODS = ("plain", "eagle", "medusa", "draft", "ngram", "eagle+ngram")
-
-
-def add_drafter_arguments(p, default_method: str = "eagle"):
-    p.add_argument(
-        "--method",
-        choices=METHODS,
-        default=default_method,
-        help="the drafter: plain (none), eagle (an EAGLE head), medusa (Medusa heads), draft (a "
-        "standalone draft model, --draft-model), ngram (prompt lookup over the request's own "
-        "tokens), eagle+ngram (one tree merging both) (default %(default)s)",
-    )
-    p.add_argument(
-        "--head",
-        metavar="PATH",
-        help="EAGLE head directory, or the name of a shipped one (specdec.heads; e.g. "
-        "smollm2-135m-instruct-eagle3); default: the model's shipped head",
-    )
-    p.add_argument(
-        "--medusa",
-        metavar="PATH",
-        help="Medusa heads directory (default: the model's shipped heads)",
-    )
-    p.add_argument(
-        "--draft-model",
-        metavar="PATH|self:N",
-        help="draft: a Llama-family checkpoint (.gguf or HF dir) with the target's tokenizer, or "
-        "self:N, the target's first N layers (shares its weights)",
-    )
-    p.add_argument(
-        "--ngram-max",
-        type=int,
-        default=4,
-        metavar="N",
-        help="ngram: longest suffix n-gram looked up (default %(default)s)",
-    )
-    p.add_argument(
-        "--ngram-min",
-        type=int,
-        default=1,
-        metavar="N",
-        help="ngram: shortest suffix n-gram looked up (default %(default)s)",
-    )
 
 
 @dataclass(frozen=True)
@@ -120,7 +79,7 @@ class DrafterChoice:
 
     def check_tree(self, tree) -> None:
         """Tree shapes a drafter cannot draft, refused before the model loads."""
-        from ..errors import InvalidTreeSpecError
+        from specdec.errors import InvalidTreeSpecError
 
         if self.method == "eagle+ngram" and tree.kind == "chain":
             raise InvalidTreeSpecError(
@@ -129,7 +88,7 @@ class DrafterChoice:
 
     def build(self, model, model_path: str | None = None):
         """-> the Drafter for model (model_path: the target's path, to find shipped heads)."""
-        from ..drafters import EagleDrafter, NgramDrafter, PlainDrafter
+        from specdec.drafters import EagleDrafter, NgramDrafter, PlainDrafter
 
         if self.method == "plain":
             return PlainDrafter()
@@ -138,18 +97,18 @@ class DrafterChoice:
         if self.method == "eagle":
             return EagleDrafter(self.eagle_head(model, model_path))
         if self.method == "eagle+ngram":
-            from ..drafters.merged import MergedDrafter
+            from specdec.drafters.merged import MergedDrafter
 
             return MergedDrafter(
                 EagleDrafter(self.eagle_head(model, model_path)),
                 NgramDrafter(max_n=self.ngram_max, min_n=self.ngram_min),
             )
         if self.method == "medusa":
-            from ..drafters.medusa import MedusaDrafter
+            from specdec.drafters.medusa import MedusaDrafter
 
             return MedusaDrafter(self.medusa_heads(model, model_path))
         if self.method == "draft":
-            from ..drafters.draft_model import DraftModelDrafter
+            from specdec.drafters.draft_model import DraftModelDrafter
 
             return DraftModelDrafter.from_arg(self.draft_model, model)
         raise InvalidRequestError(f"--method {self.method} is not implemented")
@@ -166,8 +125,8 @@ class DrafterChoice:
         return self.name
 
     def medusa_heads(self, model, model_path):
-        from ..heads import resolve_head, shipped_medusa_path
-        from ..medusa import MedusaHeads, load_medusa
+        from specdec.drafters.medusa_heads import MedusaHeads, load_medusa
+        from specdec.heads import resolve_head, shipped_medusa_path
 
         path = resolve_head(self.medusa) if self.medusa else shipped_medusa_path(model_path)
         if path:
@@ -180,8 +139,8 @@ class DrafterChoice:
         return MedusaHeads.random(model, seed=RANDOM_HEAD_SEED)
 
     def eagle_head(self, model, model_path):
-        from ..eagle import EagleHead, load_head
-        from ..heads import resolve_head, shipped_head_path
+        from specdec.drafters.eagle_head import EagleHead, load_head
+        from specdec.heads import resolve_head, shipped_head_path
 
         path = resolve_head(self.head) if self.head else shipped_head_path(model_path)
         if path:

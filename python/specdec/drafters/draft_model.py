@@ -19,7 +19,7 @@ is pending: the next propose runs it in one batched pass (_catch_up) before draf
 plain steps of adaptive mode cost no draft work at all (a new request's prompt is prefilled
 there too, at its first draft).
 
-Randomness as in specdec.drafting: `chain:K` drafts of sampled requests are *sampled* from
+Randomness as in specdec.speculation.trees: `chain:K` drafts of sampled requests are *sampled* from
 the draft model's distribution under the request's temperature / top-k / top-p (with the
 request's generator) and that distribution is passed as draft_probs (classic speculative
 sampling); greedy rows take the argmax. Tree drafts (`dynamic`, `adaptive`) are top-k picks,
@@ -31,13 +31,12 @@ import re
 import torch
 
 import specdec_kernels.ops as ops
-
-from ..adaptive import CostModel, median_time
-from ..cache import PagedKVCache
-from ..drafting import TreeSpec, draft_distribution, grow_dynamic, sample_rows
-from ..errors import InvalidRequestError, ModelLoadError
-from ..model import AttentionMetadata, Transformer
-from .base import Drafter, Proposal
+from specdec.drafters.base import Drafter, Proposal
+from specdec.errors import InvalidRequestError, ModelLoadError
+from specdec.models.cache import PagedKVCache
+from specdec.models.llama import AttentionMetadata, Transformer
+from specdec.speculation.cost_model import CostModel, median_time
+from specdec.speculation.trees import TreeSpec, draft_distribution, grow_dynamic, sample_rows
 
 SELF_PREFIX = "self:"
 
@@ -158,7 +157,8 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model: Transformer, n_layers: int | None = None, label: str | None = None):
         if not isinstance(model, Transformer):
             raise InvalidRequestError(
-                f"--draft-model must be a specdec.model.Transformer, got {type(model).__name__}"
+                f"--draft-model must be a specdec.models.llama.Transformer, "
+                f"got {type(model).__name__}"
             )
         self.net = DraftNet(model, n_layers)
         self.label = label or f"draft model ({self.net.n_layers} layers)"
@@ -189,7 +189,7 @@ class DraftModelDrafter(Drafter):
                     f"[1, {target.args.n_layers}]"
                 )
             return cls.self_draft(target, int(n))
-        from ..loader import load_model
+        from specdec.models.loader import load_model
 
         w = target.tok_embeddings.weight
         try:

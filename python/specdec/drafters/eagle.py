@@ -1,8 +1,9 @@
-"""The EAGLE drafter: an EagleHead (specdec.eagle), its KV cache, and the drafting state.
+"""The EAGLE drafter: an EagleHead (specdec.drafters.eagle_head), its KV cache, and the
+drafting state.
 
 Head cache: positions 0..n-1 hold the head's pass over (token t+1, target feature t) pairs
 with the target's true features. Its draft tree is scratch space past n - 1
-(drafting.HeadTree); the accepted pairs are re-run with the target's true features at
+(trees.HeadTree); the accepted pairs are re-run with the target's true features at
 positions n..n+a (as upstream EAGLE and SGLang do: the draft KV was computed from the head's
 own predicted features), so committing it is advancing cache_lens — the positions are
 already contiguous and compaction would be the identity. That re-run is deferred to the next
@@ -12,10 +13,10 @@ propose (_catch_up), so plain steps of adaptive mode cost no head work.
 import torch
 
 import specdec_kernels.ops as ops
-
-from .. import decode_path, drafting
-from ..adaptive import CostModel
-from .base import Drafter, Proposal
+from specdec import cpu
+from specdec.drafters.base import Drafter, Proposal
+from specdec.speculation import trees
+from specdec.speculation.cost_model import CostModel
 
 
 class EagleDrafter(Drafter):
@@ -43,7 +44,10 @@ class EagleDrafter(Drafter):
 
     def setup(self, setup) -> None:
         head = self.head
-        decode_path.configure(head)  # as the target's
+        cpu.configure(head)  # as the target's, its weight copies made now
+        cpu.prepare(head)
+        with torch.inference_mode():  # and the draft lm_head's copy (EagleHead.draft_logits)
+            head.draft_logits(head.fc.weight.new_zeros(1, head.args.dim))
         self.tree, self.device = setup.tree, setup.device
         self.cache = head.new_cache(
             setup.batch_size, self.cache_positions(setup.tree, setup.capacity), setup.block_size
@@ -69,7 +73,7 @@ class EagleDrafter(Drafter):
 
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
         hidden = self._catch_up(slots)
-        d = drafting.draft(
+        d = trees.draft(
             self.tree,
             self.head,
             self.draft_hidden[slots] if hidden is None else hidden,

@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .cache import PagedKVCache
-from .config import ModelArgs
-from .errors import HeadMismatchError, ModelLoadError, SpecdecError
-from .model import (
+from specdec.cpu.packed_linear import PackedLinear, WeightPack
+from specdec.errors import HeadMismatchError, ModelLoadError, SpecdecError
+from specdec.models.cache import PagedKVCache
+from specdec.models.config import ModelArgs
+from specdec.models.llama import (
     Attention,
     AttentionMetadata,
     RMSNorm,
@@ -42,7 +43,6 @@ from .model import (
     rope_cos_sin,
     unpack_rows,
 )
-from .packed_linear import PackedLinear, WeightPack
 
 # official EAGLE key of each fused / renamed parameter of our layer (a submodule of self.layer)
 _LAYER_KEYS = {

@@ -1,4 +1,5 @@
-"""The Medusa drafter: K Medusa heads (specdec.medusa) over the target's last hidden state.
+"""The Medusa drafter: K Medusa heads (specdec.drafters.medusa_heads) over the target's last
+hidden state.
 
 State per slot: the target's final-norm hidden state h of the last accepted node (the
 prefill's last position at start, then the accepted path's last node of every step). The
@@ -19,7 +20,7 @@ that depth's accuracy is somewhat underestimated. It only sizes the tree, never 
 
 Trees (--tree): chain:D (top-1 of heads 1..D), dynamic:D,K,N (D heads, top-K each, N nodes
 with the root) and adaptive[:D,K,N]: the dynamic tree's paths as candidates, each node's
-confidence its head probability, valued by adaptive.Policy.node_value and cut to the size
+confidence its head probability, valued by the tree sizer's node_value and cut to the size
 Policy.size picks (DEPTH is capped at the number of heads). Drafts are deterministic top-k
 candidates (draft_probs None, point masses): tree_rejection_sample keeps greedy and sampled
 output exactly the target's (this is not Medusa's lossy typical acceptance).
@@ -29,9 +30,9 @@ import heapq
 
 import torch
 
-from ..adaptive import CostModel, median_time
-from ..errors import InvalidTreeSpecError
-from .base import Drafter, Proposal
+from specdec.drafters.base import Drafter, Proposal
+from specdec.errors import InvalidTreeSpecError
+from specdec.speculation.cost_model import CostModel, median_time
 
 PRIOR_COUNT = 20.0  # pseudo-observations behind the prior accuracies
 DECAY = 0.995  # per observed step: the estimates follow the workload

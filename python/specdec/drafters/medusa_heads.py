@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .errors import HeadMismatchError, ModelLoadError, SpecdecError
-from .model import Transformer
+from specdec.errors import HeadMismatchError, ModelLoadError, SpecdecError
+from specdec.models.llama import Transformer
 
 
 class MedusaHeads(nn.Module):

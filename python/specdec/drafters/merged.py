@@ -17,7 +17,7 @@ Sizes (TreeSpec bounds: TOTAL nodes per request, root included):
       ranking (best cumulative log-prob first) until N nodes. The tree thus contains the
       n-gram drafter's own tree, and its greedy acceptance is at least the n-gram one's.
   adaptive[:D,K,N]: every candidate of both parts gets its predicted acceptance from the
-      policy (adaptive.Policy.node_value of its confidence, per depth: the head's
+      policy (the tree sizer's node_value of its confidence, per depth: the head's
       probability for EAGLE, NgramDrafter.confidences for n-gram; a shared node takes the
       larger), and the policy keeps each request's best ones in one ranking (Policy.sizes).
       Drafting is priced at EAGLE's levels (lookups cost ~0).
@@ -30,10 +30,10 @@ their own node numbers again), so neither needs to know about the merge.
 
 import torch
 
-from ..errors import InvalidTreeSpecError
-from .base import Drafter, Proposal
-from .eagle import EagleDrafter
-from .ngram import NgramDrafter
+from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.errors import InvalidTreeSpecError
 
 
 def merge_trees(root: int, trees: list, visits, total: int):

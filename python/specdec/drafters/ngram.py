@@ -11,7 +11,7 @@ every output exactly distributed as the target's, greedy or sampled.
 
 Tree shapes (--tree): chain:K, one continuation of up to K tokens; dynamic:DEPTH,TOPK,TOTAL,
 up to TOPK branches of up to DEPTH tokens, TOTAL nodes with the root; adaptive[:D,K,N], the
-same bounds, and adaptive.Policy keeps the nodes worth verifying. A node's confidence is the
+same bounds, and the adaptive tree sizer keeps the nodes worth verifying. A node's confidence is the
 share of the merged occurrences through its parent that continue with its token (scaled by
 n / max_n at the first level: longer matches are more often right); the policy
 calibrates it per depth with what is actually accepted. Drafting costs ~0 model time, so the
@@ -21,9 +21,9 @@ cost model's draft times are zero.
 import numpy as np
 import torch
 
-from ..adaptive import CostModel
-from ..errors import InvalidRequestError
-from .base import Drafter, Proposal
+from specdec.drafters.base import Drafter, Proposal
+from specdec.errors import InvalidRequestError
+from specdec.speculation.cost_model import CostModel
 
 MAX_OCCURRENCES = (
     64  # earlier occurrences of the matched n-gram examined per step (most recent first)
@@ -91,7 +91,7 @@ class NgramDrafter(Drafter):
         # the earlier positions e <= L - 2 holding the last token (each is followed by at
         # least one token), then how far back each agrees with the suffix: an n-gram occurs
         # at i = e - n + 1 where that run is >= n long. One pass over the history for all n
-        # (a window comparison per n cost ~0.3 ms a step: RESULTS.md, session 20)
+        # (a window comparison per n cost ~0.3 ms a step: benchmarks/profile_step.py --part engine)
         ends = np.flatnonzero(h[: L - 1] == h[L - 1]) if L > 1 else np.zeros(0, dtype=np.int64)
         agree = np.ones(len(ends), dtype=np.int64)  # the run's length so far, per end
         for k in range(1, self.max_n):

@@ -1,6 +1,6 @@
 """Plain decoding as a drafter: every step proposes the one-node tree (root only, T = 1)."""
 
-from .base import Drafter, Proposal, root_only
+from specdec.drafters.base import Drafter, Proposal, root_only
 
 
 class PlainDrafter(Drafter):

@@ -17,12 +17,12 @@ torch.ops.specdec.tree_verify (draft-tree verification; a plain step is the one-
 
 HFTarget offers what the engine and the drafters need from a target (model.Transformer's
 interface: args, new_cache, prefill, forward -> final-norm hidden and feature-layer
-outputs, tok_embeddings, lm_head), so `generate` is specdec.engine.Engine over it: EAGLE
+outputs, tok_embeddings, lm_head), so `generate` is specdec.runtime.engine.Engine over it: EAGLE
 drafting, tree_rejection_sample and compact_kv are the engine's own code, and greedy float32
 output equals `hf_model.generate`'s.
 
 Supported: Llama, Mistral (within its sliding window), Qwen2 and SmolLM checkpoints (the
-families specdec.config.ModelArgs reads); tested with transformers 5.24.0. Prompts are
+families specdec.models.config.ModelArgs reads); tested with transformers 5.24.0. Prompts are
 given unpadded (a [B, S] tensor of equal-length prompts, or a list of token-id lists).
 """
 
@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..cache import PagedKVCache
-from ..config import ModelArgs
-from ..drafting import TreeSpec
-from ..errors import InvalidRequestError, ModelLoadError
-from ..model import Attention, AttentionMetadata, PrefillOut, VerifyOut
+from specdec.errors import InvalidRequestError, ModelLoadError
+from specdec.models.cache import PagedKVCache
+from specdec.models.config import ModelArgs
+from specdec.models.llama import Attention, AttentionMetadata, PrefillOut, VerifyOut
+from specdec.speculation.trees import TreeSpec
 
 ATTENTION_NAME = "specdec_tree"  # the name registered in transformers' AttentionInterface
 SHIPPED = "auto"  # generate(head=...): the shipped EAGLE head when it fits the model
@@ -98,7 +98,7 @@ def register() -> str:
 
 class HFTarget(nn.Module):
     """A transformers causal LM (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) as a
-    specdec target: the interface of specdec.model.Transformer over the HF modules.
+    specdec target: the interface of specdec.models.llama.Transformer over the HF modules.
 
     forward / prefill run hf_model.model (the HF decoder) with position_ids = cache_len +
     tree depth and the "specdec_tree" attention, which writes K/V into a PagedKVCache;
@@ -287,9 +287,9 @@ def _eos_ids(hf_model, eos_token_id) -> list[int]:
 def shipped_head_for(target: HFTarget):
     """The shipped EAGLE head (trained for SmolLM2-135M-Instruct) when target has that
     model's shapes, else None."""
-    from ..eagle import load_head
-    from ..heads import shipped_head_path
-    from ..loader import DEFAULT_MODEL_CONFIG
+    from specdec.drafters.eagle_head import load_head
+    from specdec.heads import shipped_head_path
+    from specdec.models.loader import DEFAULT_MODEL_CONFIG
 
     path = shipped_head_path()
     a, d = target.args, ModelArgs.from_hf_config(DEFAULT_MODEL_CONFIG)
@@ -303,7 +303,7 @@ def rebind_head(head, target: HFTarget):
     model.Transformer, another HFTarget) -> a view of it that reads target's embeddings and
     lm_head (its weights shared, not copied). Drafts differ only if the weights do, and
     exactness never depends on the drafts."""
-    from ..eagle import check_head_matches
+    from specdec.drafters.eagle_head import check_head_matches
 
     if head.target is target:
         return head
@@ -315,9 +315,10 @@ def rebind_head(head, target: HFTarget):
 
 def load_target_head(target: HFTarget, head):
     """head: "auto" (the shipped head when it fits, else None), None (plain decoding), a
-    head directory (specdec.eagle.load_head), or an EagleHead (rebind_head) -> EagleHead or
+    head directory (specdec.drafters.eagle_head.load_head), or an EagleHead (rebind_head) ->
+    EagleHead or
     None."""
-    from ..eagle import EagleHead, load_head
+    from specdec.drafters.eagle_head import EagleHead, load_head
 
     if head is None:
         return None
@@ -356,20 +357,21 @@ def generate(
     input_ids: long [B, S] (B prompts of equal length, no padding) -> ids: long [B, S + n],
     each row the prompt then its generated tokens, rows that ended early (EOS) padded with
     pad_token_id, as hf_model.generate returns them; or a list of token-id lists (any lengths)
-    -> a list of (prompt + generated) lists. stats: specdec.stats.Stats.to_dict() (mean
+    -> a list of (prompt + generated) lists. stats: specdec.runtime.stats.Stats.to_dict() (mean
     acceptance length, target forwards, tokens/s, time split).
 
     head: "auto" (default: the shipped EAGLE head for SmolLM2-135M-Instruct when hf_model has
     its shapes, else plain decoding), None (plain decoding, the same path with one-node
     trees), a head directory, or an EagleHead (e.g. built over specdec's own model of the
     same weights: it is rebound to hf_model's embeddings and lm_head). tree: the
-    draft tree ("chain:4", "dynamic:6,10,60", "adaptive"; specdec.drafting.TreeSpec).
+    draft tree ("chain:4", "dynamic:6,10,60", "adaptive"; specdec.speculation.trees.TreeSpec).
     temperature 0 is greedy; top_k / top_p filter sampling (0 / 1: off); seed: request i uses
     seed + i (None: torch's global RNG). batch_size: requests decoded together (default: all);
     eos_token_id: default hf_model.generation_config's.
     Bad arguments raise specdec.errors.InvalidRequestError / InvalidTreeSpecError.
     """
-    from ..engine import Engine, Request, SamplingParams
+    from specdec.runtime.engine import Engine
+    from specdec.runtime.requests import Request, SamplingParams
 
     prompts, as_tensor = _prompts(input_ids)
     target = HFTarget(hf_model)

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from .errors import ModelLoadError
+from specdec.errors import ModelLoadError
 
 # model_type -> whether q/k/v projections carry a bias
 SUPPORTED_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True}

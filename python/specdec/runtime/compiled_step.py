@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specdec_kernels import envs, ops
-
-from .cache import PagedKVCache
-from .model import Transformer, VerifyOut
+from specdec import envs
+from specdec.models.cache import PagedKVCache
+from specdec.models.llama import Transformer, VerifyOut
+from specdec_kernels import ops
 
 
 @torch.library.custom_op("specdec_engine::write_kv", mutates_args=("k_cache", "v_cache"))

@@ -6,7 +6,8 @@ One step for the B active requests:
 The loop knows only a `Drafter` (specdec.drafters: the EAGLE head, n-gram lookup, ...);
 plain decoding is the drafter that proposes the one-node tree (root only, T = 1). The first
 token after prefill is sampled the same way, on a one-node tree over the prefill logits. In
-adaptive mode (specdec.adaptive) a policy sizes each step's tree, or makes it a plain step.
+adaptive mode (specdec.speculation.policy) a policy sizes each step's tree, or makes it a
+plain step.
 
 Requests advance together with different accepted lengths; a finished one (EOS, max
 tokens, stop string, full cache) frees its slot for the next queued request. The engine is
@@ -24,99 +25,28 @@ import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 import specdec_kernels.ops as ops
-
-from . import adaptive, compiled_step, decode_path
-from .adaptive import CostModel, Policy
-from .device_memory import free_memory
-from .drafters.base import Drafter, Proposal, Setup, StepResult, root_only
-from .drafting import BatchSampling, TreeSpec
-from .errors import InvalidRequestError, InvalidTreeSpecError
-from .model import Transformer, modules_unchanged
-from .stats import Stats, timed
+from specdec import cpu
+from specdec.cpu import modules_unchanged
+from specdec.device_memory import free_memory
+from specdec.drafters.base import Drafter, Proposal, Setup, StepResult, root_only
+from specdec.errors import InvalidRequestError, InvalidTreeSpecError
+from specdec.models import tensor_parallel
+from specdec.models.llama import Transformer
+from specdec.runtime import compiled_step
+from specdec.runtime.requests import Request, Result, SamplingParams, _Seq
+from specdec.runtime.stats import Stats, timed
+from specdec.speculation.cost_model import CostModel
+from specdec.speculation.policy import Policy
+from specdec.speculation.trees import BatchSampling, TreeSpec
 
 if TYPE_CHECKING:
-    from .eagle import EagleHead
-    from .tokenizer import Tokenizer
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None  # None: drawn from torch's global RNG
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer)
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        t = self.temperature
-        if not isinstance(t, (int, float)) or not (t >= 0 and t < float("inf")):
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(
-                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"
-            )
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(
-                f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}"
-            )
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidRequestError(
-                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}"
-            )
-        # the range torch.Generator.manual_seed accepts
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
-        ):
-            raise InvalidRequestError(
-                f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}"
-            )
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    id: object = None  # defaults to the request's index in the submitted list
-    prompt: str | None = None  # the original text, echoed in the Result
-
-
-@dataclass
-class Result:
-    request_id: object
-    prompt: str | None
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated tokens (an EOS that ended the request included)
-    text: str | None  # decoded (stop string cut off); None without a tokenizer or tokens
-    finish_reason: str  # "eos" | "stop" | "length" | "error"
-    stats: Stats
-    error: str | None = None  # finish_reason "error": what went wrong (this request only)
-
-
-@dataclass(eq=False)
-class _Seq:
-    """A request while it waits and runs."""
-
-    req: Request
-    slot: int
-    generator: torch.Generator | None
-    stats: Stats
-    arrival: float
-    first_token_time: float = 0.0
-    tokens: list = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str | None = None
-    error: str | None = None
-    on_finish: Callable | None = None  # callable(result)
-    owner: object = None  # the Run that submitted it (None: submit())
-    handle: "RequestHandle | None" = None
+    from specdec.drafters.eagle_head import EagleHead
+    from specdec.models.tokenizer import Tokenizer
 
 
 class RequestHandle:
@@ -176,7 +106,8 @@ class RequestHandle:
 class Engine:
     """Speculative (a drafter or head given) or plain decoding of batches of requests.
 
-    model: specdec.model.Transformer; tokenizer: for EOS ids, stop strings and text (optional);
+    model: specdec.models.llama.Transformer; tokenizer: for EOS ids, stop strings and text
+    (optional);
     head: an EagleHead or None (shorthand for drafter=EagleDrafter(head)); drafter: a
     specdec.drafters.Drafter (default: EAGLE with head, else plain); tree: TreeSpec or its
     string form, the shape of the drafter's trees ("chain:4",
@@ -208,9 +139,10 @@ class Engine:
         sampler: Callable | None = None,
         calibrate: bool | None = None,
     ):
+        start = time.perf_counter()
         if drafter is None:
-            from .drafters.eagle import EagleDrafter
-            from .drafters.plain import PlainDrafter
+            from specdec.drafters.eagle import EagleDrafter
+            from specdec.drafters.plain import PlainDrafter
 
             drafter = PlainDrafter() if head is None else EagleDrafter(head)
         elif head is not None:
@@ -262,7 +194,8 @@ class Engine:
         if isinstance(model, Transformer) and not model.compiled_step:
             # SPECDEC_PREPACK_WEIGHTS (the compiled step prepacks its own; a transformers
             # model, the integration's target, is the user's object: left as it is)
-            decode_path.configure(model)
+            cpu.configure(model)
+            cpu.prepare(model)  # the weights' copies now: no request's TTFT pays them
         drafter.setup(Setup(model, self.tree, batch_size, capacity, block_size, self.device))
         # adaptive: the machine's costs, measured now, and the running acceptance statistics
         self.policy = None
@@ -282,8 +215,29 @@ class Engine:
         self._active: list[_Seq] = []
         self._free = list(range(batch_size))  # a heap
         self._timers: list[Stats] = []  # run-level Stats that collect every step's time split
+        if isinstance(model, Transformer) and not model.compiled_step:
+            self._warm_up()  # (a compiled step compiles per batch and tree size as they come)
+        # seconds the engine took to start: the CPU decode path's set-up, the drafter's, the
+        # adaptive cost model, a warm-up forward (reported with every run's stats, never in a
+        # request's latency)
+        self.startup_s = time.perf_counter() - start
         self._greedy_uniforms: dict[tuple[int, int], torch.Tensor] = {}  # _sample's, read-only
         self._ids = itertools.count()
+
+    @torch.inference_mode()
+    def _warm_up(self, prompt_len: int = 8) -> None:
+        """A short prompt's prefill and one plain verify step in slot 0, then the slot is
+        emptied again: the one-time costs of a first forward (kernels' first calls, allocator
+        growth) are paid at start-up, not by the first request's time to first token."""
+        slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        n = max(1, min(prompt_len, self.capacity))  # the step's node goes in the tree slack
+        tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.model.prefill([tokens], self.cache, slot)
+        parents = torch.full((1, 1), -1, dtype=torch.int32, device=self.device)
+        num_nodes = torch.ones(1, dtype=torch.int32, device=self.device)
+        mask, depth = ops.build_tree_mask(parents, num_nodes)
+        self.model(tokens[None, :1], self.cache, slot, num_nodes, mask, depth)
+        self.cache.cache_lens[slot] = 0
 
     def _check_memory(self, batch_size, block_size, cache_len, head_len, T):
         """InvalidRequestError when the caches plus one step's logits cannot fit in the memory
@@ -316,7 +270,7 @@ class Engine:
 
         The model's and the drafter's modules are checked for changes (weights, parameters,
         eps, flags) at the first step and after each progress call, not at every step
-        (model.modules_unchanged): change them from progress (a change another thread makes
+        (specdec.cpu.modules_unchanged): change them from progress (a change another thread makes
         meanwhile shows from the next generate call on). step() and stream() check every step."""
         with modules_unchanged(self.model, *self.drafter.modules()) as unchanged:
             run = self.stream(
@@ -687,8 +641,8 @@ class Engine:
         if self.policy is not None and self.calibrate:  # the step's cost against the prediction
             nodes = self.policy.step_nodes(d.num_nodes, d.tokens.shape[1])
             seconds = time.perf_counter() - start
-            if adaptive.agree_time is not None:  # tensor parallel: every rank decides alike
-                seconds = adaptive.agree_time(seconds, self.device)
+            # tensor parallel: every rank decides alike
+            seconds = tensor_parallel.agree_time(seconds, self.device)
             self.policy.observe_time(seconds, speculative, self.policy.levels, nodes)
         return output_tokens, num_accepted
 
@@ -833,3 +787,4 @@ class Run:
                     eng._cancel(h._seq)
         ran = [s for s in self.per_request if s is not None]
         self.stats = Stats.aggregate(ran, self.engine_stats.time_s, time.perf_counter() - start)
+        self.stats.startup_s = eng.startup_s

@@ -50,6 +50,7 @@ class Stats:
     elapsed_s: float = 0.0  # arrival -> finish (wall time of the run for an aggregate)
     # an aggregate's per-request latency percentiles: {"ttft_s" | "tpot_s" | "e2e_s": {"p50": ..}}
     latency: dict = field(default_factory=dict)
+    startup_s: float = 0.0  # a run's: seconds its engine took to start (Engine.startup_s)
 
     # ------------------------------------------------------------------ recording
     def record_step(self, num_accepted: int, num_nodes: int, tree_depth: int):
@@ -111,6 +112,7 @@ class Stats:
             "elapsed_s": self.elapsed_s,
             "tokens_per_s": self.tokens_per_s,
             "latency": {k: dict(v) for k, v in self.latency.items()},
+            "startup_s": self.startup_s,
         }
 
     @classmethod
@@ -169,6 +171,8 @@ class Stats:
         rows += [
             ("time split", split),
         ]
+        if self.startup_s:
+            rows.append(("engine start-up", f"{self.startup_s:.2f} s (not in the latencies)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -21,12 +21,45 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 import specdec_kernels.ops as ops
+from specdec.errors import InvalidTreeSpecError
 
-from .errors import InvalidTreeSpecError
+
+class TreeSizer(Protocol):
+    """What sizes a draft tree while it grows: the adaptive policy
+    (specdec.speculation.policy.Policy) is the one implementation; drafters and
+    grow_dynamic see only this interface (docs/adaptive.md)."""
+
+    spec: "TreeSpec"
+
+    def node_value(
+        self,
+        parent_value: torch.Tensor | None,
+        logprob: torch.Tensor,
+        depth: int,
+        children: bool = False,
+    ) -> torch.Tensor:
+        """P(accepted) of new candidates from their log-probabilities under the drafter."""
+
+    def local_values(self, confidence, depth) -> np.ndarray:
+        """node_value's P(accepted | parent accepted) on the host, for nodes of any depth."""
+
+    def expand_width(self, levels: int, values: torch.Tensor, frontier_values: torch.Tensor) -> int:
+        """How many frontier nodes one more draft level expands (0: drafting stops)."""
+
+    def observe_level(self, seconds: float, levels: int, width: int, device=None) -> None:
+        """A draft level's measured seconds."""
+
+    def size(self, values: torch.Tensor, levels: int) -> int:
+        """One tree size for every request."""
+
+    def sizes(self, values: torch.Tensor, levels: int) -> torch.Tensor:
+        """Candidate values [B, C] -> long [B]: how many candidates each request keeps."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +71,7 @@ class TreeSpec:
     nodes (by cumulative log-prob) are expanded into TOPK children each; finally the
     best TOTAL - 1 candidates are kept, so the tree has TOTAL nodes with the root.
     adaptive: the dynamic tree with DEPTH and TOTAL as upper bounds, each step's depth and
-    size (or no speculation at all) chosen by specdec.adaptive (default adaptive:6,8,32).
+    size (or no speculation at all) chosen by specdec.speculation.policy (default adaptive:6,8,32).
     """
 
     kind: str
@@ -178,7 +211,7 @@ def draft(
     spec: TreeSpec, head, hidden, cache, slots, root_tokens, sampling: BatchSampling, policy=None
 ) -> Draft:
     """hidden: [B, dim], the head's output at its last committed position (the predicted
-    feature of the root's successor); policy: the adaptive.Policy of an adaptive spec."""
+    feature of the root's successor); policy: the TreeSizer of an adaptive spec."""
     if spec.kind == "chain":
         return draft_chain(spec, head, hidden, cache, slots, root_tokens, sampling)
     return draft_dynamic(spec, head, hidden, cache, slots, root_tokens, policy)
@@ -288,7 +321,7 @@ def grow_dynamic(
     stable descending sort therefore ranks every parent before its children: the top
     TOTAL - 1 are closed under ancestors and already in topological order.
 
-    policy (adaptive.Policy, optional) decides whether to draft each further level and how
+    policy (a TreeSizer, optional) decides whether to draft each further level and how
     many candidates each request keeps, ranked by its predicted acceptance (also <= the
     parent's); the tree is then only as wide as the largest request's (T = max N_b + 1),
     the smaller ones padded, and carries each node's confidence. It also chooses how many of

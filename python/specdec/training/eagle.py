@@ -1,242 +1,26 @@
-"""`specdec train-head`: train an EAGLE-2 or EAGLE-3 draft head for a target model, on CPU
-or GPU.
+"""EAGLE-2 / EAGLE-3 head training (docs/training.md), on CPU or GPU, over the
+self-distillation shards of specdec.training.data.
 
-1. Self-distillation (`generate_shards`): the target answers ShareGPT first-turn prompts
-   itself (greedy by default), in batches, and the final-norm hidden state of every
-   position (the feature an EAGLE-1/2 head reads) is kept, with `--features eagle3` also
-   the pre-norm outputs of EAGLE-3's three feature layers (aux). Each batch of prompts
-   becomes one append-only shard (safetensors: token ids int32, hidden / aux bf16), so an
-   interrupted run resumes at the first missing shard.
-2. Training (`train_head`): EAGLE-2: the head reads (token t + 1, feature t) and regresses
-   feature t + 1 (smooth L1, weight 1.0) while the target's frozen lm_head turns its output
-   into next-token logits (cross-entropy against token t + 2, weight 0.1), as in EAGLE;
-   input features get uniform noise (EAGLE's augmentation for the head's own, imperfect
-   features at depth >= 2). EAGLE-3 (`--eagle-version 3`): the head reads the fused layer
-   outputs and is trained by cross-entropy alone, over its own lm_head's draft vocabulary,
-   at every pass of the training-time test (`--ttt-steps`: pass s drafts depth s from the
-   head's own outputs of the passes before). Only positions that predict generated tokens
-   count. Checkpoints (head + optimiser + step) resume; the result is a head directory
-   that `specdec.eagle.load_head` reads.
+EAGLE-2: the head reads (token t + 1, feature t) and regresses feature t + 1 (smooth L1,
+weight 1.0) while the target's frozen lm_head turns its output into next-token logits
+(cross-entropy against token t + 2, weight 0.1), as in EAGLE; input features get uniform
+noise (EAGLE's augmentation for the head's own, imperfect features at depth >= 2). EAGLE-3:
+the head reads the fused layer outputs and is trained by cross-entropy alone, over its own
+lm_head's draft vocabulary, at every pass of the training-time test (`ttt_steps`: pass s
+drafts depth s from the head's own outputs of the passes before). Only positions that
+predict generated tokens count. The loop (checkpoints, resume, schedule) is
+specdec.training.loop's; the result is a head directory that
+`specdec.drafters.eagle_head.load_head` reads.
 """
 
 import json
-import math
 import os
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
-import specdec_kernels.ops as ops
-
-from .. import decode_path
-from ..errors import InvalidRequestError
-from .train_utils import CHECKPOINT, _bar, _checkpoint, _resume, _smooth, frequent_tokens
-
-MANIFEST = "manifest.json"
-
-
-# ---------------------------------------------------------------------- self-distillation
-def tokenize_prompts(tokenizer, prompts: list, max_prompt_tokens: int) -> list:
-    """Chat-templated token ids of the prompts that fit in max_prompt_tokens (others dropped)."""
-    out = []
-    for p in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}])
-        if len(ids) <= max_prompt_tokens:
-            out.append(ids)
-    return out
-
-
-def _pick(logits, temperature: float, generator):
-    """logits [B, V] -> next tokens long [B] (argmax, or a sample at `temperature`)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-@torch.no_grad()
-def generate_batch(
-    model,
-    prompts: list,
-    max_new_tokens: int,
-    eos_ids,
-    temperature=0.0,
-    generator=None,
-    feature_layers=(),
-):
-    """Continues each prompt (list of ids) until EOS or max_new_tokens.
-
-    Returns per prompt (tokens long [S], hidden [S, dim], aux [S, len(feature_layers) * dim]):
-    prompt + answer ids, the target's final-norm hidden state at every position (the
-    generated EOS included) and the pre-norm outputs of feature_layers there (EAGLE-3's
-    features; [S, 0] without feature_layers)."""
-    B = len(prompts)
-    cache = model.new_cache(B, max(len(p) for p in prompts) + max_new_tokens + 1)
-    slots = torch.arange(B, device=cache.k.device)
-    out = model.prefill(
-        [torch.tensor(p, device=slots.device) for p in prompts], cache, slots, feature_layers
-    )
-    tokens = [list(p) for p in prompts]
-    hidden = [[h] for h in out.hidden]
-    aux = [[a] for a in out.aux]
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=slots.device)
-    active, nxt = slots, _pick(out.logits, temperature, generator)
-    for i in range(max_new_tokens):
-        n = len(active)
-        tree_mask, depth = ops.build_tree_mask(
-            torch.full((n, 1), -1, dtype=torch.int32, device=slots.device),
-            torch.ones(n, dtype=torch.int32, device=slots.device),
-        )
-        o = model(
-            nxt[:, None],
-            cache,
-            active,
-            torch.ones(n, dtype=torch.int32, device=slots.device),
-            tree_mask,
-            depth,
-            feature_layers,
-        )
-        cache.cache_lens[active] += 1
-        for b, t, h, a in zip(active.tolist(), nxt.tolist(), o.hidden[:, 0], o.aux[:, 0]):
-            tokens[b].append(t)
-            hidden[b].append(h[None])
-            aux[b].append(a[None])
-        keep = ~torch.isin(nxt, eos)
-        if i == max_new_tokens - 1 or not keep.any():
-            break
-        active, nxt = active[keep], _pick(o.logits[keep, 0], temperature, generator)
-    return [(torch.tensor(t), torch.cat(h), torch.cat(a)) for t, h, a in zip(tokens, hidden, aux)]
-
-
-def generate_shards(
-    model,
-    tokenizer,
-    prompt_ids: list,
-    data_dir: str,
-    batch_size: int = 32,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    seed: int = 0,
-    max_shards: int | None = None,
-    progress: bool = True,
-    feature_layers=(),
-) -> list:
-    """Self-distillation data: shard i holds prompts [i * batch_size, (i + 1) * batch_size)
-    with the target's answers; existing shards are kept (resume). Returns the shard paths.
-
-    Shard tensors: tokens int32 [N] (sequences concatenated), lengths int32 [n],
-    prompt_lens int32 [n], hidden bf16 [N, dim], and with feature_layers (EAGLE-3 data) aux
-    bf16 [N, len(feature_layers) * dim]: the pre-norm outputs of those target layers."""
-    os.makedirs(data_dir, exist_ok=True)
-    # the engine's CPU decode path (bf16: prepacked linears, C++ layer ops) for generation too
-    decode_path.configure(model)
-    # everything that decides a shard's content (not the prompt count: the prompt list is
-    # prefix-stable in --num-prompts, so a run can be extended with more shards)
-    manifest = {
-        "batch_size": batch_size,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "seed": seed,
-        "dim": model.args.dim,
-        "vocab_size": model.args.vocab_size,
-    }
-    if feature_layers:  # only then: older EAGLE-1/2 data directories keep their manifest
-        manifest["feature_layers"] = list(feature_layers)
-    _check_manifest(data_dir, manifest)
-    num_shards = math.ceil(len(prompt_ids) / batch_size)
-    if max_shards is not None:
-        num_shards = min(num_shards, max_shards)
-    paths = [os.path.join(data_dir, f"shard_{i:05d}.safetensors") for i in range(num_shards)]
-    todo = [i for i, p in enumerate(paths) if not os.path.exists(p)]
-    bar = _bar(len(todo), "self-distill", "batch", progress)
-    done_tokens, t0 = 0, time.perf_counter()
-    for i in todo:
-        batch = prompt_ids[i * batch_size : (i + 1) * batch_size]
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)  # per shard: resume-stable
-        seqs = generate_batch(
-            model, batch, max_new_tokens, tokenizer.eos_token_ids, temperature, gen, feature_layers
-        )
-        _write_shard(paths[i], seqs, [len(p) for p in batch])
-        done_tokens += sum(len(t) - len(p) for (t, _, _), p in zip(seqs, batch))
-        if bar:
-            bar.set_postfix(gen_tok_s=f"{done_tokens / (time.perf_counter() - t0):.1f}")
-            bar.update(1)
-    if bar:
-        bar.close()
-    return paths
-
-
-def _check_manifest(data_dir, manifest):
-    path = os.path.join(data_dir, MANIFEST)
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        if old != manifest:
-            raise InvalidRequestError(
-                f"{data_dir} holds shards made with different settings "
-                f"({old}, now {manifest}); use another --data-dir"
-            )
-    else:
-        with open(path, "w") as f:
-            json.dump(manifest, f, indent=2)
-
-
-def _write_shard(path, seqs, prompt_lens):
-    tensors = {
-        "tokens": torch.cat([t for t, _, _ in seqs]).to(torch.int32),
-        "lengths": torch.tensor([len(t) for t, _, _ in seqs], dtype=torch.int32),
-        "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
-        "hidden": torch.cat([h for _, h, _ in seqs]).to(torch.bfloat16).cpu(),
-    }
-    if seqs[0][2].shape[-1]:
-        tensors["aux"] = torch.cat([a for _, _, a in seqs]).to(torch.bfloat16).cpu()
-    tmp = path + ".tmp"
-    save_file(tensors, tmp)
-    os.replace(tmp, path)  # a shard exists only once complete
-
-
-def shard_paths(data_dir: str) -> list:
-    """The complete shards of a data directory, in order."""
-    return [
-        os.path.join(data_dir, n)
-        for n in sorted(os.listdir(data_dir))
-        if n.startswith("shard_") and n.endswith(".safetensors")
-    ]
-
-
-def load_shards(data_dir: str, paths: list | None = None, features: str = "hidden") -> list:
-    """Shards (default: all complete ones) -> list of (tokens long [S], feature bf16 [S, F],
-    prompt_len); features: "hidden" (final-norm hidden, F = dim: EAGLE-1/2, Medusa) or "aux"
-    (the fused layer outputs of EAGLE-3 data, F = len(feature_layers) * dim)."""
-    if features not in ("hidden", "aux"):
-        raise InvalidRequestError(f"features must be 'hidden' or 'aux', got {features!r}")
-    seqs = []
-    for path in shard_paths(data_dir) if paths is None else paths:
-        t = load_file(path)
-        if features not in t:
-            raise InvalidRequestError(
-                f"{path} holds no {features!r} features (EAGLE-3 training needs data made "
-                "with --features eagle3)"
-            )
-        lengths = t["lengths"].tolist()
-        for tok, hid, p in zip(
-            t["tokens"].split(lengths), t[features].split(lengths), t["prompt_lens"].tolist()
-        ):
-            seqs.append((tok.long(), hid, p))
-    return seqs
-
-
-def data_feature_layers(data_dir: str) -> list:
-    """The target layers whose outputs a data directory's shards hold as aux ([] if none)."""
-    path = os.path.join(data_dir, MANIFEST)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return json.load(f).get("feature_layers", [])
-
+from specdec.errors import InvalidRequestError
+from specdec.training.loop import LoopSettings, frequent_tokens, train_loop
 
 # ---------------------------------------------------------------------- training
 FEATURE_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's v_w / p_w
@@ -425,7 +209,7 @@ def train_head(
     (against the target's next-token distribution; EAGLE-2 only, see head_loss).
     init_head: a head directory (of the same version) to start from instead of random
     weights: a fine-tuning run, e.g. with the distribution loss after label training."""
-    from ..eagle import EagleHead, check_head_matches, load_head
+    from specdec.drafters.eagle_head import EagleHead, check_head_matches, load_head
 
     if version not in (2, 3):
         raise InvalidRequestError(f"version must be 2 or 3, got {version}")
@@ -488,74 +272,38 @@ def train_head(
     head = head.float()
     device = target.tok_embeddings.weight.device  # the target's: a GPU trains much faster
     vocab = vocab.to(device)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(seqs) / batch_size)
-    total = max(1, round(epochs * steps_per_epoch))
-    warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: min(
-            (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, total) / total))
-        ),
-    )
-    step = _resume(os.path.join(output, CHECKPOINT), head, opt, sched)
-    stop = total if max_steps is None else min(total, step + max_steps)
-    bar = _bar(stop - step, "train-head", "step", progress)
-    log, t0, running = [], time.perf_counter(), None
-    while step < stop:
-        epoch, i = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed + epoch))
-        batch = make_batch(
-            [seqs[j] for j in order[i * batch_size : (i + 1) * batch_size].tolist()], device
-        )
+
+    def step_fn(batch_seqs: list, step: int) -> tuple[torch.Tensor, dict]:
+        batch = make_batch(batch_seqs, device)
         noise_gen = torch.Generator(device).manual_seed(seed * 7919 + step)
         loss, fl, tl, accs = head_loss(head, batch, vocab, noise, noise_gen, ttt_steps, token_loss)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        sched.step()
-        step += 1
-        rec = {
-            "step": step,
-            "loss": loss.item(),
-            "feature_loss": fl.item(),
-            "token_loss": tl.item(),
-            "acc": accs[0],
-            "acc_by_depth": accs,
-        }
-        log.append(rec)
-        running = _smooth(running, rec)
-        if bar:
-            bar.set_postfix(
-                loss=f"{running['loss']:.3f}",
-                epoch=epoch,
-                top1="/".join(f"{a:.2f}" for a in running["acc_by_depth"]),
-            )
-            bar.update(1)
-        if step % checkpoint_every == 0 or step == stop:
-            _checkpoint(os.path.join(output, CHECKPOINT), head, opt, sched, step)
-        if val_seqs and (step % steps_per_epoch == 0 or step == total):
-            log.append(
-                {
-                    "epoch": step / steps_per_epoch,
-                    "val": evaluate(head, val_seqs, batch_size, ttt_steps),
-                }
-            )
-            msg = f"epoch {step / steps_per_epoch:.2f}: held-out {log[-1]['val']}"
-            if bar:
-                bar.write(msg)
-            else:
-                print(msg, file=sys.stderr)
-    if bar:
-        bar.close()
-    if step == total:
+        rec = {"loss": loss.item(), "feature_loss": fl.item(), "token_loss": tl.item()}
+        return loss, {**rec, "acc": accs[0], "acc_by_depth": accs}
+
+    def validate_fn(step: int) -> tuple[dict, str]:
+        val = evaluate(head, val_seqs, batch_size, ttt_steps)
+        return {"val": val}, f"held-out {val}"
+
+    settings = LoopSettings(
+        epochs, batch_size, lr, checkpoint_every, seed, progress, max_steps, "train-head"
+    )
+    result = train_loop(
+        head,
+        [p for p in head.parameters() if p.requires_grad],
+        seqs,
+        output,
+        settings,
+        step_fn,
+        validate_fn if val_seqs else None,
+        lambda r: {"top1": "/".join(f"{a:.2f}" for a in r["acc_by_depth"])},
+    )
+    log, running = result.log, result.running
+    if result.finished:
         if draft_vocab and version < 3:
             head.set_draft_vocab(vocab.cpu())
         head.to(save_dtype).save(output)
         summary = {
-            "steps": total,
+            "steps": result.total,
             "epochs": epochs,
             "batch_size": batch_size,
             "lr": lr,
@@ -568,7 +316,7 @@ def train_head(
             "sequences": len(seqs),
             "vocab_for_ce": len(vocab),
             "draft_vocab": draft_vocab or target.args.vocab_size,
-            "seconds_this_call": time.perf_counter() - t0,
+            "seconds_this_call": result.seconds,
             "final": running,
             "held_out": [r for r in log if "val" in r],
         }
@@ -603,222 +351,3 @@ def evaluate(head, seqs: list, batch_size: int = 8, steps: int = 1) -> dict:
 
 
 # ---------------------------------------------------------------------- command line
-def add_arguments(p):
-    p.add_argument(
-        "--model", metavar="PATH", help="target: .gguf or HF dir (default: SmolLM2-135M-Instruct)"
-    )
-    p.add_argument(
-        "--output",
-        required=True,
-        metavar="DIR",
-        help="head directory to write (config.json + model.safetensors)",
-    )
-    p.add_argument(
-        "--data-dir", metavar="DIR", help="self-distillation shards (default: OUTPUT/data)"
-    )
-    p.add_argument("--stage", choices=("all", "generate", "train"), default="all")
-    p.add_argument(
-        "--kind",
-        choices=("eagle", "medusa"),
-        default="eagle",
-        help="what to train: an EAGLE-2 head (default) or Medusa-1 heads (same data)",
-    )
-    p.add_argument(
-        "--medusa-heads", type=int, default=4, metavar="K", help="medusa: heads (default 4)"
-    )
-    p.add_argument(
-        "--medusa-layers",
-        type=int,
-        default=1,
-        metavar="N",
-        help="medusa: residual blocks per head (default 1)",
-    )
-    p.add_argument("--num-prompts", type=int, default=2048, help="ShareGPT prompts to answer")
-    p.add_argument(
-        "--max-prompt-tokens", type=int, default=128, help="longer (templated) prompts are skipped"
-    )
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gen-batch-size", type=int, default=32)
-    p.add_argument(
-        "--gen-temperature", type=float, default=0.0, help="0 = greedy answers (default)"
-    )
-    p.add_argument("--max-shards", type=int, help="stop data generation after this many shards")
-    p.add_argument(
-        "--features",
-        choices=("hidden", "eagle3"),
-        default="hidden",
-        help="what generated shards store per position: the final-norm hidden (EAGLE-1/2, "
-        "Medusa; 2 * dim bytes) or also the outputs of EAGLE-3's three feature layers (both "
-        "EAGLE-2 and EAGLE-3 train on it; 8 * dim bytes)",
-    )
-    p.add_argument(
-        "--gen-dtype",
-        choices=("bfloat16", "float32"),
-        default="float32",
-        help="target dtype while generating (bfloat16 is ~2x faster on CPUs with AVX512-BF16)",
-    )
-    p.add_argument("--epochs", type=float, default=3.0)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--eagle-version",
-        type=int,
-        choices=(2, 3),
-        default=2,
-        help="eagle kind: 2 = EAGLE-2 head over the final-norm hidden (default); 3 = EAGLE-3 "
-        "head over the fused outputs of three target layers, with its own lm_head over the "
-        "--draft-vocab (needs data made with --features eagle3)",
-    )
-    p.add_argument(
-        "--ttt-steps",
-        type=int,
-        default=1,
-        help="passes per batch; > 1 trains on the head's own predicted features (EAGLE-3 "
-        "training-time test)",
-    )
-    p.add_argument(
-        "--noise",
-        type=float,
-        help="uniform feature noise width, relative to the feature RMS (default 0.2 for "
-        "EAGLE-2, 0 for EAGLE-3, whose training-time test takes its place)",
-    )
-    p.add_argument(
-        "--token-loss",
-        choices=TOKEN_LOSSES,
-        default="label",
-        help="EAGLE-2 token loss: cross-entropy against the generated token (label, default) or "
-        "against the target's next-token distribution (distribution: EAGLE's soft labels)",
-    )
-    p.add_argument(
-        "--init-head",
-        metavar="DIR",
-        help="start from this head's weights (same EAGLE version) instead of random ones: "
-        "fine-tuning, e.g. --token-loss distribution after label training",
-    )
-    p.add_argument(
-        "--full-vocab-ce",
-        action="store_true",
-        help="cross-entropy over the whole vocabulary (default: over the tokens of the data)",
-    )
-    p.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=0,
-        metavar="N",
-        help="draft over the N most frequent generated tokens only (stored as d2t; cuts the "
-        "draft lm_head cost by V / N); 0 = the whole vocabulary (default; for EAGLE-3: "
-        "every token id in the data)",
-    )
-    p.add_argument(
-        "--val-shards", type=int, default=1, help="last shards held out for per-epoch validation"
-    )
-    p.add_argument(
-        "--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default="bfloat16",
-        help="dtype of the saved head",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--device", default="auto", help="cpu, cuda, cuda:N (default: cuda when available)"
-    )
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--no-progress", action="store_true")
-
-
-def run(args) -> int:
-    from ..eagle import eagle3_feature_layers
-    from ..loader import load_model, resolve_device
-    from .data import sharegpt_prompts
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    data_dir = args.data_dir or os.path.join(args.output, "data")
-    progress = not args.no_progress
-    device = resolve_device(args.device)
-    if args.stage in ("all", "generate"):
-        model, tokenizer = load_model(
-            args.model, dtype=getattr(torch, args.gen_dtype), device=device
-        )
-        prompts = tokenize_prompts(
-            tokenizer, sharegpt_prompts(args.num_prompts, args.seed), args.max_prompt_tokens
-        )
-        feature_layers = (
-            eagle3_feature_layers(model.args.n_layers) if args.features == "eagle3" else ()
-        )
-        generate_shards(
-            model,
-            tokenizer,
-            prompts,
-            data_dir,
-            args.gen_batch_size,
-            args.max_new_tokens,
-            args.gen_temperature,
-            args.seed,
-            args.max_shards,
-            progress,
-            feature_layers,
-        )
-    if args.stage in ("all", "train"):
-        model, _ = load_model(args.model, device=device)
-        shards = shard_paths(data_dir)
-        if args.val_shards >= len(shards):
-            raise InvalidRequestError(
-                f"{data_dir} has {len(shards)} shards: too few to hold {args.val_shards} out"
-            )
-        cut = len(shards) - args.val_shards
-        if args.kind == "medusa":
-            from .train_medusa import train_medusa
-
-            train_medusa(
-                model,
-                load_shards(data_dir, shards[:cut]),
-                args.output,
-                num_heads=args.medusa_heads,
-                num_layers=args.medusa_layers,
-                epochs=args.epochs,
-                batch_size=args.batch_size,
-                lr=args.lr,
-                full_vocab_ce=args.full_vocab_ce,
-                draft_vocab=args.draft_vocab,
-                checkpoint_every=args.checkpoint_every,
-                save_dtype=getattr(torch, args.dtype),
-                seed=args.seed,
-                progress=progress,
-                val_seqs=load_shards(data_dir, shards[cut:]),
-            )
-            return 0
-        features, feature_layers = "hidden", None
-        if args.eagle_version == 3:
-            features, feature_layers = "aux", data_feature_layers(data_dir)
-            if not feature_layers:
-                raise InvalidRequestError(
-                    f"{data_dir} holds no EAGLE-3 features: generate it with --features eagle3"
-                )
-        noise = args.noise if args.noise is not None else (0.2 if args.eagle_version < 3 else 0.0)
-        train_head(
-            model,
-            load_shards(data_dir, shards[:cut], features),
-            args.output,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            noise=noise,
-            full_vocab_ce=args.full_vocab_ce,
-            draft_vocab=args.draft_vocab,
-            checkpoint_every=args.checkpoint_every,
-            save_dtype=getattr(torch, args.dtype),
-            seed=args.seed,
-            progress=progress,
-            val_seqs=load_shards(data_dir, shards[cut:], features),
-            ttt_steps=args.ttt_steps,
-            version=args.eagle_version,
-            feature_layers=feature_layers,
-            token_loss=args.token_loss,
-            init_head=args.init_head,
-        )
-    return 0

@@ -1,6 +1,7 @@
-"""`specdec train-head --kind medusa`: train Medusa-1 heads (specdec.medusa) for a target.
+"""`specdec train-head --kind medusa`: train Medusa-1 heads (specdec.drafters.medusa_heads)
+for a target.
 
-Reads the self-distillation shards of the EAGLE trainer (specdec.apps.train: token ids and
+Reads the self-distillation shards of the EAGLE trainer (specdec.training.eagle: token ids and
 the target's final-norm hidden state of every position). Head k (k = 1..K) reads hidden[t]
 and is scored by cross-entropy against token t + 1 + k through the target's frozen lm_head,
 over the draft vocabulary (or the tokens of the data), summed over heads with Medusa's decay
@@ -11,16 +12,14 @@ warm-up then cosine, resumable checkpoints; per-head held-out top-1 after every 
 """
 
 import json
-import math
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidRequestError
-from .train_utils import CHECKPOINT, _bar, _checkpoint, _resume, _smooth, frequent_tokens
+from specdec.errors import InvalidRequestError
+from specdec.training.loop import LoopSettings, frequent_tokens, train_loop
 
 DECAY = 0.8  # Medusa's per-head loss weight: head k weighs DECAY ** k
 RANKS = 10  # held-out rank accuracies kept per head (the drafter's sparse-tree prior)
@@ -115,7 +114,7 @@ def train_medusa(
     their positions, per step) and saves them to `output` (resuming from output/checkpoint.pt
     if present); val_seqs are scored after every epoch and their rank accuracies become the
     heads' head_accuracy. Returns the per-step log of this call (plus {"epoch", "val"})."""
-    from ..medusa import MedusaHeads
+    from specdec.drafters.medusa_heads import MedusaHeads
 
     if num_heads < 1 or num_layers < 1:
         raise InvalidRequestError(
@@ -138,64 +137,36 @@ def train_medusa(
     vocab = vocab.to(device)
     weight = target.output.weight[vocab].float()
     heads.to(device)
-    params = list(heads.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(seqs) / batch_size)
-    total = max(1, round(epochs * steps_per_epoch))
-    warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: min(
-            (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, total) / total))
-        ),
-    )
-    step = _resume(os.path.join(output, CHECKPOINT), heads, opt, sched)
-    stop = total if max_steps is None else min(total, step + max_steps)
-    bar = _bar(stop - step, "train-medusa", "step", progress)
-    log, t0, running = [], time.perf_counter(), None
-    while step < stop:
-        epoch, i = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed + epoch))
-        hidden, labels = make_medusa_batch(
-            [seqs[j] for j in order[i * batch_size : (i + 1) * batch_size].tolist()],
-            num_heads,
-            device,
-        )
+
+    def step_fn(batch_seqs: list, step: int) -> tuple[torch.Tensor, dict]:
+        hidden, labels = make_medusa_batch(batch_seqs, num_heads, device)
         loss, accs = medusa_loss(heads, hidden, labels, vocab, weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        sched.step()
-        step += 1
-        rec = {"step": step, "loss": loss.item(), "acc_by_head": accs}
-        log.append(rec)
-        running = _smooth(running, rec)
-        if bar:
-            bar.set_postfix(
-                loss=f"{running['loss']:.3f}",
-                epoch=epoch,
-                top1="/".join(f"{a:.2f}" for a in running["acc_by_head"]),
-            )
-            bar.update(1)
-        if step % checkpoint_every == 0 or step == stop:
-            _checkpoint(os.path.join(output, CHECKPOINT), heads, opt, sched, step)
-        if val_seqs and (step % steps_per_epoch == 0 or step == total):
-            if draft_vocab:  # score what drafting will rank: the draft vocabulary only
-                heads.set_draft_vocab(vocab.cpu())
-            val = evaluate_medusa(heads, val_seqs)
-            heads.set_draft_vocab(torch.arange(target.args.vocab_size))  # back to training
-            log.append(
-                {"epoch": step / steps_per_epoch, "val": val, "seconds": time.perf_counter() - t0}
-            )
-            msg = f"epoch {step / steps_per_epoch:.2f}: held-out top-1 per head {val['top1']}"
-            if bar:
-                bar.write(msg)
-            else:
-                print(msg, file=sys.stderr)
-    if bar:
-        bar.close()
-    if step == total:
+        return loss, {"loss": loss.item(), "acc_by_head": accs}
+
+    def validate_fn(step: int) -> tuple[dict, str]:
+        if draft_vocab:  # score what drafting will rank: the draft vocabulary only
+            heads.set_draft_vocab(vocab.cpu())
+        val = evaluate_medusa(heads, val_seqs)
+        heads.set_draft_vocab(torch.arange(target.args.vocab_size))  # back to training
+        seconds = time.perf_counter() - t0
+        return {"val": val, "seconds": seconds}, f"held-out top-1 per head {val['top1']}"
+
+    settings = LoopSettings(
+        epochs, batch_size, lr, checkpoint_every, seed, progress, max_steps, "train-medusa"
+    )
+    t0 = time.perf_counter()
+    result = train_loop(
+        heads,
+        list(heads.parameters()),
+        seqs,
+        output,
+        settings,
+        step_fn,
+        validate_fn if val_seqs else None,
+        lambda r: {"top1": "/".join(f"{a:.2f}" for a in r["acc_by_head"])},
+    )
+    log, running = result.log, result.running
+    if result.finished:
         if draft_vocab:
             heads.set_draft_vocab(vocab.cpu())
         held_out = [r for r in log if "val" in r]
@@ -206,7 +177,7 @@ def train_medusa(
             "kind": "medusa",
             "num_heads": num_heads,
             "num_layers": num_layers,
-            "steps": total,
+            "steps": result.total,
             "epochs": epochs,
             "batch_size": batch_size,
             "lr": lr,
@@ -214,7 +185,7 @@ def train_medusa(
             "sequences": len(seqs),
             "vocab_for_ce": len(vocab),
             "draft_vocab": draft_vocab or target.args.vocab_size,
-            "seconds_this_call": time.perf_counter() - t0,
+            "seconds_this_call": result.seconds,
             "final": running,
             "held_out": held_out,
         }
