@@ -1,6 +1,7 @@
-"""Markdown tables of benchmark JSON files (written by the bench_*.py scripts), for RESULTS.md.
+"""Markdown tables of microbenchmark JSON files (written by the bench_*.py scripts), for the
+tables of docs/benchmarks.md.
 
-python benchmarks/render_results.py benchmarks/results/*.json
+python benchmarks/render_results.py benchmarks/results/<date>_<machine>_tree-verify.json
 """
 
 import json
