@@ -12,10 +12,11 @@ import re
 import subprocess
 import sys
 
+# (letters only around a word: "session23" and "e2e_session8" count too)
 PATTERNS = [
-    re.compile(r"\bsessions?\b", re.IGNORECASE),
-    re.compile(r"\bissues?[ _#-]*\d+", re.IGNORECASE),
-    re.compile(r"\blent\b", re.IGNORECASE),
+    re.compile(r"(?<!new_)(?<![a-z])sessions?(?![a-z])", re.IGNORECASE),  # not start_new_session
+    re.compile(r"(?<![a-z])issues?[ _#-]*\d+", re.IGNORECASE),
+    re.compile(r"(?<![a-z])lent(?![a-z])", re.IGNORECASE),
     re.compile(r"\b(?:this|next|previous|last|earlier|later|each|every) turn\b", re.IGNORECASE),
     re.compile(r"\bturn[ _#-]*\d+", re.IGNORECASE),
 ]
