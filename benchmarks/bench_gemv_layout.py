@@ -9,7 +9,7 @@ float64 first.
 The layout is the library op (csrc/cpu/tiled_linear.cpp), which this script times.
 
     PYTHONPATH=.:python OMP_NUM_THREADS=1 python benchmarks/bench_gemv_layout.py --threads 1 \\
-        --rows 1,2,4,8,16,32,64 --json benchmarks/results/gemv_layout_t1.json
+        --rows 1,2,4,8,16,32,64 --json benchmarks/out/gemv_layout_t1.json
 """
 
 import argparse

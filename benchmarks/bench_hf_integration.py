@@ -7,7 +7,7 @@ engine (EAGLE, the same head and tree) for reference. Writes a JSON with machine
 commit and load.
 
     python benchmarks/bench_hf_integration.py --dtype bfloat16 --num-prompts 8 \
-        --max-new-tokens 64 --reps 2 --output benchmarks/results/hf_integration_cpu.json
+        --max-new-tokens 64 --reps 2 --output benchmarks/out/hf_integration_cpu.json
 """
 
 import argparse
@@ -40,7 +40,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tree", default=TreeSpec.DEFAULT)
-    p.add_argument("--output", default="benchmarks/results/hf_integration.json")
+    p.add_argument("--output", default="benchmarks/out/hf_integration.json")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     model, tok = load_model(None, dtype, args.device)

@@ -5,7 +5,7 @@ in our engine (bf16 target, batch 1, one tree), greedy and sampled.
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:python python benchmarks/compare_heads.py \\
         --heads eagle2_old=python/specdec/heads/smollm2-135m-instruct,eagle3=OUT \\
-        --data-dir DATA --json benchmarks/results/heads.json
+        --data-dir DATA --json benchmarks/out/heads.json
 """
 
 import argparse

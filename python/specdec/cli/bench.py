@@ -83,7 +83,7 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument(
         "--output",
-        default="benchmarks/results/e2e",
+        default="benchmarks/out/e2e",
         metavar="PREFIX",
         help="writes PREFIX.json and PREFIX_*.png (default %(default)s)",
     )

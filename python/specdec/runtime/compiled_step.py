@@ -11,8 +11,8 @@ outputs at padding are whatever the padding computes (callers read real nodes on
 tree_verify is in the graph (fullgraph=True proves it: it has a fake and passes opcheck).
 
 On CPU inductor's `freezing` folds the weights into the graph as constants and prepacks the
-bf16 matmuls for oneDNN (AMX / AVX512-BF16), the largest single win at small M (see
-benchmarks/results/compile_*.json). Compile time is paid once per shape and kept in
+bf16 matmuls for oneDNN (AMX / AVX512-BF16), the largest single win at small M
+(docs/cpu-decode-path.md). Compile time is paid once per shape and kept in
 `compile_s`. Enabled per model by `enable(model)` or `configure(model, setting)` (the Engine
 applies SPECDEC_COMPILE, the CLI --compile / --no-compile); Transformer.forward then
 delegates here.
