@@ -20,11 +20,11 @@ def check(path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "text",
     [
-        '"""Measured in session 3."""',
-        "# see issue 12",
-        "x = 1  # lent a GPU",
-        "# as the previous turn found",
-        "name = 'e2e_session8.json'",
+        '"""Measured in session 3."""',  # check_words: allow
+        "# see issue 12",  # check_words: allow
+        "x = 1  # lent a GPU",  # check_words: allow
+        "# as the previous turn found",  # check_words: allow
+        "name = 'e2e_session8.json'",  # check_words: allow
     ],
 )
 def test_fails_on_a_planted_diary_word(tmp_path, text):
