@@ -52,9 +52,9 @@ def configure(
     parts = [m for m in module.modules() if isinstance(m, _MODULES)]
     for m in parts:
         m.layer_ops = on and (decode_layer or not isinstance(m, TransformerBlock))
-    for m in module.modules():  # the whole-block calls' hooks (specdec.cpu.fused_layers)
-        if isinstance(m, TransformerBlock):
-            m.fused_forward = fused_layers.block_forward if on else None
-        if isinstance(m, Transformer):
-            m.fused_layers = fused_layers.layers_forward if on and decode_layers else None
+    for sub in module.modules():  # the whole-block calls' hooks (specdec.cpu.fused_layers)
+        if isinstance(sub, TransformerBlock):
+            sub.fused_forward = fused_layers.block_forward if on else None
+        if isinstance(sub, Transformer):
+            sub.fused_layers = fused_layers.layers_forward if on and decode_layers else None
     return len(parts) if on else 0

@@ -110,13 +110,14 @@ class DrafterChoice:
         if self.method == "draft":
             from specdec.drafters.draft_model import DraftModelDrafter
 
+            assert self.draft_model is not None  # check() refuses draft without one
             return DraftModelDrafter.from_arg(self.draft_model, model)
         raise InvalidRequestError(f"--method {self.method} is not implemented")
 
     def label(self, drafter) -> str:
         """What a run's summary calls the drafter: eagle-2, ngram:1-4, draft self:8, ..."""
         head = getattr(drafter, "head", None)
-        if self.method == "eagle":
+        if self.method == "eagle" and head is not None:
             return f"eagle-{head.version}"
         if self.method == "eagle+ngram":
             return f"eagle+ngram:{self.ngram_min}-{self.ngram_max}"

@@ -39,11 +39,11 @@ class CostModel:
     others: list = field(default_factory=list)
     draft_narrow_s: list = field(default_factory=list)
 
-    def verify(self, T: int, batch: int | None = None) -> float:
+    def verify(self, T: float, batch: int | None = None) -> float:
         """Linear interpolation (and extrapolation past the last point) in T."""
         return self._at(batch, lambda c: _verify(c["verify_tokens"], c["verify_s"], T))
 
-    def draft(self, levels: int, batch: int | None = None) -> float:
+    def draft(self, levels: float, batch: int | None = None) -> float:
         return self._at(batch, lambda c: _draft(c["draft_s"], levels))
 
     def draft_narrow(self, levels: int, batch: int | None = None) -> float:

@@ -342,7 +342,7 @@ def grow_dynamic(
     front_cand = torch.arange(K, device=dev).expand(B, K)  # candidate numbers of the frontier
     from_front: torch.Tensor | None = None
     front_value = policy.node_value(None, scores, depth=1) if policy else None
-    cand_values = [front_value]
+    cand_values: list = [front_value]  # (None without a policy: never read then)
     num_cand, levels = K, 1
     for d in range(1, D):
         # how many frontier nodes to expand: the best `width` of them (topk's order)
