@@ -484,28 +484,18 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
     stage_keys_transposed<LANES>(P, kt, b, h, p, nt, Dw);
     // Lanes over keys, each score a chain of FMAs over d in order, then scaled: the panel
-    // kernels' arithmetic (score_block), so a row gets the same bits from either kernel
-    // (columns past nt: stale keys, never read back).
-    if (nt == kTile) {
-      for (int64_t m = 0; m < M; ++m) {
-        vfloat acc[kKeyVecs] = {};
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = q[m * Dw + d];  // a scalar operand: broadcast by the FMA itself
-          for (int v = 0; v < kKeyVecs; ++v) {
-            acc[v] = qd * load<LANES>(kt + d * kTile + v * LANES) + acc[v];
-          }
-        }
-        for (int v = 0; v < kKeyVecs; ++v) store(sc + m * kTile + v * LANES, acc[v] * P.scale);
-      }
-    } else {  // the last, partial tile: only its key vectors
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t j = 0; j < nt; j += LANES) {
-          vfloat acc = {};
-          for (int64_t d = 0; d < D; ++d)
-            acc = q[m * Dw + d] * load<LANES>(kt + d * kTile + j) + acc;
-          store(sc + m * kTile + j, acc * P.scale);
+    // kernels' arithmetic (score_block), so a row gets the same bits from either kernel.
+    // A last, partial tile is scored whole (columns past nt: stale keys, never read back):
+    // fewer instructions than a loop over its key vectors alone (callgrind, contexts 70-1000).
+    for (int64_t m = 0; m < M; ++m) {
+      vfloat acc[kKeyVecs] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = q[m * Dw + d];  // a scalar operand: broadcast by the FMA itself
+        for (int v = 0; v < kKeyVecs; ++v) {
+          acc[v] = qd * load<LANES>(kt + d * kTile + v * LANES) + acc[v];
         }
       }
+      for (int v = 0; v < kKeyVecs; ++v) store(sc + m * kTile + v * LANES, acc[v] * P.scale);
     }
     float alpha[kFewRows];
     few_rows_softmax<LANES>(P, sc, M, b, p, nt, mx, l, alpha);
