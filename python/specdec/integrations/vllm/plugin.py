@@ -1,0 +1,94 @@
+"""The vLLM general plugin: `register()` is the `vllm.general_plugins` entry point "specdec"
+(pyproject.toml), which vLLM runs in every process it starts (the API server or the `LLM`'s
+process, the engine core, each worker) before it reads its configuration.
+
+It installs two hooks, both only on the tested vLLM release (version.py; any other release
+gets a warning and an untouched vLLM, and specdec's options are then refused by vLLM itself as
+unknown keys):
+
+- EngineArgs.create_speculative_config: the speculative config's "specdec" options (what
+  `speculative_config(...)` adds, options.py) are checked and moved into vLLM's
+  additional_config before vLLM validates the dict, which forbids unknown keys; vLLM then
+  hands them to every worker inside its VllmConfig.
+- RejectionSampler.__init__: when the engine being built asks for specdec's sampler (option
+  or SPECDEC_VLLM_SAMPLER=1), the module-level rejection_sample that RejectionSampler.forward
+  calls is replaced by sampler.rejection_sample in that process (and restored for an engine
+  that does not ask). The replacement is made when the model runner builds its sampler, after
+  the CPU platform has registered its own kernels, so nothing overwrites it.
+
+Tree speculation inside vLLM's step (an attention backend over specdec's paged layout, tree
+drafting, tree_verify / compact_kv in the step) will hook in here too.
+"""
+
+import logging
+
+from . import version
+from .options import KEY, check_options, sampler_enabled
+
+# a child of vLLM's logger, so that its messages show with vLLM's own (vLLM configures "vllm")
+logger = logging.getLogger("vllm.specdec")
+_MARK = "_specdec_hook"
+
+
+def register() -> None:
+    """The entry point (see the module docstring). Safe to call more than once."""
+    import vllm
+
+    if not version.is_supported(vllm.__version__):
+        logger.warning(
+            "specdec: vLLM %s is outside the tested range %s; specdec's vLLM hooks are off",
+            vllm.__version__,
+            version.TESTED_RANGE,
+        )
+        return
+    _hook_speculative_options()
+    _hook_rejection_sampler()
+
+
+def _hook_speculative_options() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    create = EngineArgs.create_speculative_config
+    if getattr(create, _MARK, False):
+        return
+
+    def create_speculative_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        if isinstance(spec, dict) and KEY in spec:
+            options = check_options(spec[KEY])
+            self.speculative_config = {k: v for k, v in spec.items() if k != KEY}
+            extra = self.additional_config
+            if not isinstance(extra, dict):
+                raise ValueError(
+                    "specdec options need additional_config to be a dict, got "
+                    f"{type(extra).__name__}"
+                )
+            self.additional_config = {**extra, KEY: {**(extra.get(KEY) or {}), **options}}
+        return create(self, *args, **kwargs)
+
+    setattr(create_speculative_config, _MARK, True)
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _hook_rejection_sampler() -> None:
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    init = RejectionSampler.__init__
+    if getattr(init, _MARK, False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        from vllm.config import get_current_vllm_config
+
+        from . import sampler
+
+        self.specdec_sampler = sampler_enabled(get_current_vllm_config())
+        if self.specdec_sampler:
+            sampler.install()
+            logger.info("specdec: rejection sampling through tree_rejection_sample")
+        else:
+            sampler.restore()
+
+    setattr(__init__, _MARK, True)
+    RejectionSampler.__init__ = __init__
