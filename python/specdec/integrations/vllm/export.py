@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from ...errors import HeadMismatchError, ModelLoadError
 
 EXPORT_RECORD = "specdec_export.json"
-FORMAT_VERSION = 1  # of what export_head writes: cached exports of another version are redone
+FORMAT_VERSION = 2  # of what export_head writes: cached exports of another version are redone
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,11 @@ def export_head(head: str, out_dir: str, model: str | None = None) -> ExportedHe
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    weights_path = os.path.join(out_dir, "model.safetensors")
     save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        os.path.join(out_dir, "model.safetensors"),
-        metadata={"format": "pt"},
+        {k: v.contiguous() for k, v in tensors.items()}, weights_path, metadata={"format": "pt"}
     )
+    os.chmod(weights_path, 0o644)  # a checkpoint any user's server reads
     exported = ExportedHead(os.path.abspath(out_dir), kind, depth, head_dir, notes)
     with open(os.path.join(out_dir, EXPORT_RECORD), "w") as f:
         json.dump(asdict(exported), f, indent=2)
@@ -155,7 +155,8 @@ def _medusa(head, cfg, weights, target_dir, target_cfg):
                 if key not in weights:
                     raise ModelLoadError(f"Medusa heads {head!r}: missing weight {key!r}")
                 tensors[f"blocks.{k}.layers.{layer}.{kind}"] = weights[key]
-    lm_head = _target_lm_head(target_dir, target_cfg).to(weights[key].dtype)
+    # in the target's own dtype: specdec's heads use the target's lm_head as it is
+    lm_head = _target_lm_head(target_dir, target_cfg)
     vocab = int(target_cfg["vocab_size"])
     config = {
         "architectures": ["MedusaModel"],

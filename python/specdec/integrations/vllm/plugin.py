@@ -86,7 +86,7 @@ def _hook_rejection_sampler() -> None:
         self.specdec_sampler = sampler_enabled(get_current_vllm_config())
         if self.specdec_sampler:
             sampler.install()
-            logger.info("specdec: rejection sampling through tree_rejection_sample")
+            logger.info("specdec: rejection sampling through tree_rejection_sample")  # bench.py
         else:
             sampler.restore()
 

@@ -21,7 +21,17 @@ top-p). Two layouts, the same result:
   all-accepted chain emits exactly vLLM's bonus token.
 
 The op's output rows (accepted drafts, then the recovered or bonus token, then -1) are vLLM's
-output rows. Uniforms come from the request's own generator when it has a seed (vLLM's
+output rows.
+
+install() also replaces the rejection sampler's `expand_batch_to_tokens` (per-request
+temperature, top-k and top-p repeated per draft token before vLLM processes the logits): vLLM
+0.32's CPU build runs it through a C++ kernel that writes into an int64 copy of its output
+unless the output is int64 already, so float temperatures and int32 top-k come back as
+uninitialised memory and sampled speculative decoding on CPU draws from garbage-scaled
+logits (tests/integrations/vllm/test_sampler.py shows it). The replacement is
+torch.repeat_interleave, the same values the GPU kernel computes.
+
+Uniforms come from the request's own generator when it has a seed (vLLM's
 `generators`), else torch's. The distribution is the target's (the op's rule, docs/ops.md);
 greedy output equals vLLM's token for token. vLLM's synthetic acceptance mode is not
 rejection sampling: it goes to vLLM's own function unchanged.
@@ -34,6 +44,7 @@ import torch
 import specdec_kernels  # noqa: F401  (registers torch.ops.specdec)
 
 _original = None  # vLLM's rejection_sample, kept by install() for restore()
+_original_expand = None  # vLLM's expand_batch_to_tokens, likewise
 
 
 def rejection_sample(
@@ -210,14 +221,32 @@ def _vllm_rejection_sample():
     return _original or rejection_sampler.rejection_sample
 
 
+def expand_batch_to_tokens(
+    x: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """vLLM's contract: x [B] -> [num_tokens], request b's value repeated for its tokens
+    (cu_num_tokens [B]: cumulative counts), replace_from replaced by replace_to."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+
+
 def install() -> None:
-    """Routes vLLM's rejection sampling (in this process) through rejection_sample above."""
-    global _original
+    """Routes vLLM's rejection sampling (in this process) through rejection_sample above, and
+    its per-token expansion of sampling parameters through expand_batch_to_tokens."""
+    global _original, _original_expand
     from vllm.v1.sample import rejection_sampler
 
     if rejection_sampler.rejection_sample is not rejection_sample:
         _original = rejection_sampler.rejection_sample
         rejection_sampler.rejection_sample = rejection_sample
+    if rejection_sampler.expand_batch_to_tokens is not expand_batch_to_tokens:
+        _original_expand = rejection_sampler.expand_batch_to_tokens
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
 
 def restore() -> None:
@@ -226,6 +255,8 @@ def restore() -> None:
 
     if _original is not None:
         rejection_sampler.rejection_sample = _original
+    if _original_expand is not None:
+        rejection_sampler.expand_batch_to_tokens = _original_expand
 
 
 def installed() -> bool:

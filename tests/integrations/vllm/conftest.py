@@ -1,0 +1,13 @@
+"""Shared by the vLLM integration tests: the default model's checkpoint directory. Tests
+that need vLLM itself skip without it, naming the install line (version.INSTALL_HINT); the
+ones that only write configs and checkpoints run everywhere."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The default model as the HF checkpoint directory vLLM reads (converted once)."""
+    from specdec.loader import default_model_path, gguf_checkpoint_dir
+
+    return gguf_checkpoint_dir(default_model_path())

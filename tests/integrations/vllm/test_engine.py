@@ -1,0 +1,74 @@
+"""specdec in a running vLLM engine (float32, enforce_eager, a few MT-bench prompts): every
+exported shipped head drafts in vLLM with greedy output token-identical to vLLM plain, the
+n-gram proposer too, with vLLM's rejection sampling routed through specdec's op. One engine
+process per configuration (bench.run_engine_process, the benchmark's own runner), each run
+once per module."""
+
+import functools
+import importlib.util
+
+import pytest
+
+from specdec.integrations.vllm.version import INSTALL_HINT
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
+    ),
+]
+
+NUM_PROMPTS, MAX_NEW_TOKENS = 3, 24
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """engine(method, **options) -> run_engine's batch-1 row (outputs, acceptance counters)
+    plus "specdec_sampler"; method None is vLLM plain."""
+    from specdec.apps.data import mtbench_prompts
+    from specdec.integrations.vllm import speculative_config
+    from specdec.integrations.vllm.bench import run_engine_process
+    from specdec.loader import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": p}])
+        for p in mtbench_prompts(NUM_PROMPTS)
+    ]
+
+    @functools.cache
+    def run(method=None, sampler="vllm"):
+        spec = None if method is None else speculative_config(method, sampler=sampler)
+        out = run_engine_process(
+            {
+                "model_dir": model_dir,
+                "dtype": "float32",
+                "threads": 2,
+                "prompt_ids": prompts,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "concurrency": 0,
+                "eos": sorted(tok.eos_token_ids),
+                "seed": 0,
+                "enforce_eager": True,
+                "speculative_config": spec,
+            }
+        )
+        return {**out["batch1"], "specdec_sampler": out["specdec_sampler"]}
+
+    return run
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_exported_heads_are_exact_and_draft(engine, method):
+    plain, spec = engine(), engine(method)
+    assert spec["outputs"] == plain["outputs"]
+    assert spec["drafts"] > 0 and not spec["specdec_sampler"]
+    # a head drafting from the wrong features (a wrong EAGLE-3 layer id, say) accepts ~nothing
+    assert spec["tokens_per_forward"] > 1.1, spec
+
+
+def test_ngram_proposer_with_specdec_sampler_is_exact(engine):
+    plain, spec = engine(), engine("ngram", sampler="specdec")
+    assert spec["specdec_sampler"], "the worker did not route rejection sampling to specdec"
+    assert spec["outputs"] == plain["outputs"]
+    assert spec["drafts"] > 0
