@@ -72,3 +72,26 @@ def test_ngram_proposer_with_specdec_sampler_is_exact(engine):
     assert spec["specdec_sampler"], "the worker did not route rejection sampling to specdec"
     assert spec["outputs"] == plain["outputs"]
     assert spec["drafts"] > 0
+
+
+def test_the_guides_vllm_example_runs(tmp_path):
+    """docs/integration.md's vLLM script (the block with the __main__ guard), run as a
+    script: an engine with the exported EAGLE-3 head and specdec's sampler."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    guide = pathlib.Path(__file__).resolve().parents[3] / "docs" / "integration.md"
+    blocks = re.findall(r"^```python\n(.*?)^```$", guide.read_text(), flags=re.S | re.M)
+    (script,) = [b for b in blocks if 'if __name__ == "__main__":' in b]
+    path = tmp_path / "example.py"
+    path.write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip(), "the example printed no text"
+    assert "rejection sampling through tree_rejection_sample" in proc.stderr
