@@ -22,6 +22,7 @@ drafting, tree_verify / compact_kv in the step) will hook in here too.
 
 import logging
 
+from ...errors import InvalidRequestError
 from . import version
 from .options import KEY, check_options, sampler_enabled
 
@@ -53,21 +54,27 @@ def _hook_speculative_options() -> None:
         return
 
     def create_speculative_config(self, *args, **kwargs):
-        spec = self.speculative_config
-        if isinstance(spec, dict) and KEY in spec:
-            options = check_options(spec[KEY])
-            self.speculative_config = {k: v for k, v in spec.items() if k != KEY}
-            extra = self.additional_config
-            if not isinstance(extra, dict):
-                raise ValueError(
-                    "specdec options need additional_config to be a dict, got "
-                    f"{type(extra).__name__}"
-                )
-            self.additional_config = {**extra, KEY: {**(extra.get(KEY) or {}), **options}}
+        move_specdec_options(self)
         return create(self, *args, **kwargs)
 
     setattr(create_speculative_config, _MARK, True)
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def move_specdec_options(engine_args) -> None:
+    """engine_args.speculative_config["specdec"] (checked: options.check_options) ->
+    engine_args.additional_config["specdec"] (merged over what is there); nothing without."""
+    spec = engine_args.speculative_config
+    if not (isinstance(spec, dict) and KEY in spec):
+        return
+    options = check_options(spec[KEY])
+    extra = engine_args.additional_config
+    if not isinstance(extra, dict):
+        raise InvalidRequestError(
+            f"specdec options need additional_config to be a dict, got {type(extra).__name__}"
+        )
+    engine_args.speculative_config = {k: v for k, v in spec.items() if k != KEY}
+    engine_args.additional_config = {**extra, KEY: {**(extra.get(KEY) or {}), **options}}
 
 
 def _hook_rejection_sampler() -> None:
