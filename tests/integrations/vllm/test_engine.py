@@ -93,5 +93,5 @@ def test_the_guides_vllm_example_runs(tmp_path):
         [sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip(), "the example printed no text"
-    assert "rejection sampling through tree_rejection_sample" in proc.stderr
+    # vLLM logs to stdout: the worker's line saying it samples through specdec's op
+    assert "rejection sampling through tree_rejection_sample" in proc.stdout + proc.stderr

@@ -48,6 +48,8 @@ def test_bad_options_are_named(options, message):
 
 @needs_vllm
 def test_sampler_follows_the_engine_config(monkeypatch):
+    """A rejection sampler built for an engine whose config asks for specdec's sampler routes
+    its forward through sampler.py (and only its own); vLLM's functions stay in place."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.sample import rejection_sampler
@@ -60,16 +62,17 @@ def test_sampler_follows_the_engine_config(monkeypatch):
     plugin.register()
     plugin.register()  # vLLM may load plugins more than once in a process
     assert getattr(EngineArgs.create_speculative_config, "_specdec_hook", False)
-    try:
-        config = VllmConfig(additional_config={"specdec": {"sampler": "specdec"}})
+
+    def build(config):
         with set_current_vllm_config(config):
-            assert rejection_sampler.RejectionSampler(Sampler()).specdec_sampler
+            return rejection_sampler.RejectionSampler(Sampler())
+
+    assert build(VllmConfig(additional_config={"specdec": {"sampler": "specdec"}})).specdec_sampler
+    assert not build(VllmConfig()).specdec_sampler
+    assert not rejection_sampler.RejectionSampler(Sampler()).specdec_sampler  # no config
+    monkeypatch.setenv("SPECDEC_VLLM_SAMPLER", "1")
+    assert build(VllmConfig()).specdec_sampler
+    assert rejection_sampler.rejection_sample is own  # routed per forward call only
+    with sampler.routed():
         assert rejection_sampler.rejection_sample is sampler.rejection_sample
-        with set_current_vllm_config(VllmConfig()):
-            assert not rejection_sampler.RejectionSampler(Sampler()).specdec_sampler
-        assert rejection_sampler.rejection_sample is own
-        monkeypatch.setenv("SPECDEC_VLLM_SAMPLER", "1")
-        with set_current_vllm_config(VllmConfig()):
-            assert rejection_sampler.RejectionSampler(Sampler()).specdec_sampler
-    finally:
-        sampler.restore()
+    assert rejection_sampler.rejection_sample is own

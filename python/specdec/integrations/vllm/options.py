@@ -40,7 +40,7 @@ def check_options(options) -> dict:
 
 
 def specdec_options(vllm_config) -> dict:
-    """The specdec options of an engine's VllmConfig ({} when none were given)."""
+    """The specdec options of an engine's VllmConfig ({} when none were given, or None)."""
     extra = getattr(vllm_config, "additional_config", None)
     options = extra.get(KEY) if isinstance(extra, dict) else None
     return dict(options or {})

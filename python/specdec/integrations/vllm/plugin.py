@@ -10,11 +10,12 @@ unknown keys):
   `speculative_config(...)` adds, options.py) are checked and moved into vLLM's
   additional_config before vLLM validates the dict, which forbids unknown keys; vLLM then
   hands them to every worker inside its VllmConfig.
-- RejectionSampler.__init__: when the engine being built asks for specdec's sampler (option
-  or SPECDEC_VLLM_SAMPLER=1), the module-level rejection_sample that RejectionSampler.forward
-  calls is replaced by sampler.rejection_sample in that process (and restored for an engine
-  that does not ask). The replacement is made when the model runner builds its sampler, after
-  the CPU platform has registered its own kernels, so nothing overwrites it.
+- RejectionSampler: an engine's rejection sampler built while its config asks for specdec's
+  sampler (option or SPECDEC_VLLM_SAMPLER=1) runs each forward with the module-level
+  rejection_sample (and expand_batch_to_tokens) it calls routed to sampler.py's
+  (sampler.routed()); other engines' samplers are untouched, in the same process too. The
+  routing happens at call time, after the CPU platform has registered its own kernels, so
+  nothing overwrites it.
 
 Tree speculation inside vLLM's step (an attention backend over specdec's paged layout, tree
 drafting, tree_verify / compact_kv in the step) will hook in here too.
@@ -80,22 +81,34 @@ def move_specdec_options(engine_args) -> None:
 def _hook_rejection_sampler() -> None:
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    init = RejectionSampler.__init__
+    init, forward = RejectionSampler.__init__, RejectionSampler.forward
     if getattr(init, _MARK, False):
         return
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        from vllm.config import get_current_vllm_config
+        self.specdec_sampler = sampler_enabled(_current_config())
+        if self.specdec_sampler:
+            logger.info("specdec: rejection sampling through tree_rejection_sample")  # bench.py
 
+    def forward_(self, *args, **kwargs):
+        if not getattr(self, "specdec_sampler", False):
+            return forward(self, *args, **kwargs)
         from . import sampler
 
-        self.specdec_sampler = sampler_enabled(get_current_vllm_config())
-        if self.specdec_sampler:
-            sampler.install()
-            logger.info("specdec: rejection sampling through tree_rejection_sample")  # bench.py
-        else:
-            sampler.restore()
+        with sampler.routed():
+            return forward(self, *args, **kwargs)
 
     setattr(__init__, _MARK, True)
     RejectionSampler.__init__ = __init__
+    RejectionSampler.forward = forward_
+
+
+def _current_config():
+    """The VllmConfig of the engine being built (None outside one: vLLM 0.32 raises then)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return get_current_vllm_config()
+    except AssertionError:
+        return None

@@ -37,6 +37,7 @@ greedy output equals vLLM's token for token. vLLM's synthetic acceptance mode is
 rejection sampling: it goes to vLLM's own function unchanged.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -257,6 +258,20 @@ def restore() -> None:
         rejection_sampler.rejection_sample = _original
     if _original_expand is not None:
         rejection_sampler.expand_batch_to_tokens = _original_expand
+
+
+@contextlib.contextmanager
+def routed():
+    """install() for the duration of a with block (one RejectionSampler.forward), then what
+    was there before back."""
+    from vllm.v1.sample import rejection_sampler
+
+    before = rejection_sampler.rejection_sample, rejection_sampler.expand_batch_to_tokens
+    install()
+    try:
+        yield
+    finally:
+        rejection_sampler.rejection_sample, rejection_sampler.expand_batch_to_tokens = before
 
 
 def installed() -> bool:
