@@ -5,7 +5,7 @@ ones that only write configs and checkpoints run everywhere."""
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model_dir():
     """The default model as the HF checkpoint directory vLLM reads (converted once)."""
     from specdec.loader import default_model_path, gguf_checkpoint_dir

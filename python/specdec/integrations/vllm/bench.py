@@ -153,8 +153,13 @@ def run(args, result: dict, model, tokenizer, prompts: list, log=print) -> dict:
             f"{args.vllm_concurrency} at once: {out['concurrent']['tokens_per_s']:.2f} tok/s "
             f"({time.perf_counter() - t0:.0f}s)"
         )
+    plain_outputs = vllm["batch1"].get("vllm_plain", {}).get("outputs")
     _mark_exact(vllm)
-    vllm["specdec_chains"] = specdec_chains(model, tokenizer, prompt_ids, args, log)
+    vllm["specdec_chains"], ours = specdec_chains(model, tokenizer, prompt_ids, args, log)
+    if plain_outputs is not None:  # do both engines decode the same text? (float32: they should)
+        vllm["vllm_plain_same_tokens_as_specdec_plain"] = sum(
+            a == b for a, b in zip(plain_outputs, ours)
+        ) / len(ours)
     vllm["specdec_concurrent"] = specdec_concurrent(model, tokenizer, prompt_ids, args, log)
     vllm["sampler"] = run_sampler_timing_process(args.vllm_concurrency, args.vllm_depth, setting)
     log(f"[vLLM sampler] {json.dumps(vllm['sampler'])}")
@@ -329,10 +334,10 @@ def _specdec_row(engine, prompt_ids, max_new_tokens, seed) -> tuple[dict, list]:
     }, [r.token_ids for r in results]
 
 
-def specdec_chains(model, tokenizer, prompt_ids, args, log) -> dict:
+def specdec_chains(model, tokenizer, prompt_ids, args, log) -> tuple[dict, list]:
     """specdec's own chain:depth with each shipped head, batch 1, greedy, on the same prompts,
     with the head's draft vocabulary and without it (the export drops it for vLLM's eagle and
-    medusa) -> {name: row}."""
+    medusa) -> ({name: row}, specdec plain's outputs)."""
     from ...apps.common import warm_up
     from ...apps.drafter_choice import DrafterChoice
     from ...drafters import EagleDrafter
@@ -341,6 +346,10 @@ def specdec_chains(model, tokenizer, prompt_ids, args, log) -> dict:
 
     depth = args.vllm_depth
     rows = {}
+    plain = Engine(
+        model, tokenizer, max_seq_len=max(len(p) for p in prompt_ids) + args.max_new_tokens + 1
+    )
+    _, plain_outputs = _specdec_row(plain, prompt_ids, args.max_new_tokens, args.seed)
     heads = {
         "eagle": DrafterChoice("eagle").eagle_head(model, None),
         "eagle3": DrafterChoice("eagle", head=EAGLE3_HEAD).eagle_head(model, None),
@@ -375,7 +384,7 @@ def specdec_chains(model, tokenizer, prompt_ids, args, log) -> dict:
                 f"[specdec {name} chain:{depth}{suffix}] {row['tokens_per_s']:.2f} tok/s, "
                 f"{row['mean_acceptance_length']:.3f} tokens/forward"
             )
-    return rows
+    return rows, plain_outputs
 
 
 def _all_ids(model):
@@ -581,6 +590,11 @@ def summary(result: dict) -> str:
         lines.append(
             f"{key:<28}vLLM {t['vllm']:8.3f}  specdec {t['specdec']:8.3f}"
             + (f"  same output: {t['same_output']}" if "same_output" in t else "")
+        )
+    if "vllm_plain_same_tokens_as_specdec_plain" in vllm:
+        lines.append(
+            "vLLM plain's greedy output equals specdec plain's on "
+            f"{vllm['vllm_plain_same_tokens_as_specdec_plain']:.0%} of the prompts"
         )
     for label, g in vllm["goals"].items():
         lines.append(

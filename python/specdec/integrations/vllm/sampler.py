@@ -98,7 +98,7 @@ def rejection_sample(
         _, num_accepted, output = torch.ops.specdec.tree_rejection_sample(
             target_logits.view(B, K, -1),
             tokens,
-            fixed.parents[:, :K],
+            fixed.chain_parents,
             fixed.num_nodes,
             None,
             temperature,
@@ -137,7 +137,8 @@ class _FixedInputs:
     small tensors cost as much as the walk itself."""
 
     def __init__(self, B: int, K: int, device: str):
-        self.parents = _chain_parents(B, K + 1, device)
+        self.parents = _chain_parents(B, K + 1, device)  # chains of K + 1 nodes (padded layout)
+        self.chain_parents = _chain_parents(B, K, device)  # of K nodes (vLLM's logits as is)
         self.num_nodes = torch.full((B,), K, dtype=torch.int32, device=device)
         self.top_k = torch.zeros(B, dtype=torch.int32, device=device)  # 0: off (vLLM applied it)
         self.top_p = torch.ones(B, device=device)  # 1.0: off (vLLM applied it)
