@@ -1,6 +1,8 @@
 """Shared by the vLLM integration tests: the default model's checkpoint directory. Tests
 that need vLLM itself skip without it, naming the install line (version.INSTALL_HINT); the
-ones that only write configs and checkpoints run everywhere."""
+ones that only write configs and checkpoints run everywhere. Whether vLLM is installed is read
+from the package metadata (version.installed_version), not importlib's find_spec: pytest puts
+tests/integrations on sys.path, where this directory passes for a namespace package "vllm"."""
 
 import pytest
 

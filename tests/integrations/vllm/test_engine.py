@@ -5,16 +5,15 @@ process per configuration (bench.run_engine_process, the benchmark's own runner)
 once per module."""
 
 import functools
-import importlib.util
 
 import pytest
 
-from specdec.integrations.vllm.version import INSTALL_HINT
+from specdec.integrations.vllm.version import INSTALL_HINT, installed_version
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
+        installed_version() is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
     ),
 ]
 

@@ -2,17 +2,16 @@
 speculative config into vLLM's additional_config (checked first), and the rejection sampler
 switched per engine config. test_engine.py runs them inside real engines."""
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 
 from specdec.errors import InvalidRequestError
 from specdec.integrations.vllm.plugin import move_specdec_options
-from specdec.integrations.vllm.version import INSTALL_HINT
+from specdec.integrations.vllm.version import INSTALL_HINT, installed_version
 
 needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
+    installed_version() is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
 )
 
 

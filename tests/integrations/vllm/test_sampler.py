@@ -4,16 +4,14 @@ sampled output distributed as the target processed the way vLLM processes it (te
 top-k, top-p through RejectionSampler.forward), a deliberately wrong sampler failing the same
 statistical test (tests/ops/test_rejection_stats.py's idiom)."""
 
-import importlib.util
-
 import pytest
 import scipy.stats
 import torch
 
-from specdec.integrations.vllm.version import INSTALL_HINT
+from specdec.integrations.vllm.version import INSTALL_HINT, installed_version
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
+    installed_version() is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
 )
 
 N = 20_000  # independent copies of one problem, one call
