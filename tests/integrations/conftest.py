@@ -1,6 +1,13 @@
-"""The integration tests reuse the engine tests' helpers (tests/engine/test_engine.py)."""
+"""Shared by the integration tests: the default model's checkpoint directory (the vLLM tests'
+model). The vLLM tests that need vLLM itself skip without it, naming the install line
+(version.INSTALL_HINT); the ones that only write configs and checkpoints run everywhere."""
 
-import os
-import sys
+import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "engine"))
+
+@pytest.fixture(scope="module")
+def model_dir():
+    """The default model as the HF checkpoint directory vLLM reads (converted once)."""
+    from specdec.models.loader import default_model_path, gguf_checkpoint_dir
+
+    return gguf_checkpoint_dir(default_model_path())

@@ -30,6 +30,10 @@ SUBCOMMANDS = {
         "end-to-end benchmark on MT-bench prompts: HF generate, prompt lookup, "
         "plain, EAGLE chain / tree",
     ),
+    "export-head": (
+        "specdec.cli.export_head",
+        "write a head (EAGLE-2/3, Medusa) as a checkpoint another engine loads (vLLM)",
+    ),
 }
 
 

@@ -166,6 +166,9 @@ def add_arguments(p):
     g.add_argument("--serving-batch-size", type=int, default=8, help="the engine's slots")
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT objective")
     g.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT objective")
+    from specdec.bench.vllm import add_arguments as add_vllm_arguments
+
+    add_vllm_arguments(p)
 
 
 QUICK_MULTIPLIERS = (0.3, 1.2)
@@ -235,6 +238,11 @@ def run(args) -> int:
         interleave=args.interleave,
     )
     result["config"]["head"] = args.head or "shipped"
+    if args.vllm:  # vLLM's rows beside ours (specdec.bench.vllm)
+        from specdec.bench import vllm as vllm_bench
+
+        log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        vllm_bench.run(args, result, model, tokenizer, mtbench_prompts(args.num_prompts), log)
     if ggufs:
         from specdec.bench.llamacpp import config as llamacpp_config
 
@@ -245,6 +253,8 @@ def run(args) -> int:
     if not args.no_plots:
         plot(result, args.output)
     print(summary(result))
+    if args.vllm:
+        print(vllm_bench.summary(result))
     return 0
 
 

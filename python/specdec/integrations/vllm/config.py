@@ -1,0 +1,187 @@
+"""`speculative_config(method, **options)`: the dict vLLM's `speculative_config` takes, for
+every specdec method vLLM can host.
+
+    from vllm import LLM
+    from specdec.integrations.vllm import speculative_config
+
+    llm = LLM(model_dir, speculative_config=speculative_config("eagle"))        # shipped EAGLE-2
+    llm = LLM(model_dir, speculative_config=speculative_config("ngram", sampler="specdec"))
+
+    vllm serve MODEL_DIR --speculative-config "$(python -c 'import json; from
+        specdec.integrations.vllm import speculative_config; print(json.dumps(
+        speculative_config("medusa")))')"
+
+Methods (docs/integration.md, "In vLLM", has the table of what runs where):
+- "eagle", "eagle3", "medusa": the head (option head=, default the shipped one) exported with
+  export.export_head into a cache directory, run by vLLM's own method of that name; "eagle"
+  with an EAGLE-3 head becomes "eagle3".
+- "ngram": specdec's n-gram drafter as a custom_class proposer (proposers.NgramProposer).
+
+Options: num_speculative_tokens (the chain depth; default 4, Medusa its head count), head,
+model (the target, .gguf or checkpoint dir; default the default model), export_dir, ngram_max
+/ ngram_min ("ngram"), sampler ("vllm", the default, or "specdec": vLLM's rejection sampling
+through torch.ops.specdec.tree_rejection_sample, sampler.py). specdec's own options travel in
+the dict under the key "specdec"; the plugin (plugin.py) moves them into vLLM's
+additional_config before vLLM validates the dict, so they need the plugin installed (the
+`vllm.general_plugins` entry point of `pip install specdec`).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+from specdec.errors import InvalidRequestError
+from specdec.integrations.vllm import version
+
+OPTIONS_KEY = "specdec"  # the dict's key holding specdec's own options (plugin.py reads it)
+SAMPLERS = ("vllm", "specdec")
+DEFAULT_DEPTH = 4
+HEAD_METHODS = ("eagle", "eagle3", "medusa")
+METHODS = HEAD_METHODS + ("ngram",)
+NGRAM_PROPOSER = "specdec.integrations.vllm.proposers.NgramProposer"
+_OPTIONS = {
+    "eagle": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
+    "eagle3": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
+    "medusa": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
+    "ngram": {"num_speculative_tokens", "ngram_max", "ngram_min", "sampler"},
+}
+_NOT_HOSTED = {
+    "plain": "plain decoding is vLLM without a speculative_config (pass None)",
+    "eagle+ngram": "the merged eagle+ngram drafter drafts trees; vLLM 0.32 verifies chains only",
+    "draft": "use vLLM's own draft_model method with the draft checkpoint directory",
+}
+
+
+def speculative_config(method: str, **options) -> dict:
+    """The dict for `vllm.LLM(speculative_config=...)` (as JSON: `vllm serve
+    --speculative-config`) running specdec method `method` (METHODS) inside vLLM; options as
+    in the module docstring. Bad methods and options raise InvalidRequestError naming them;
+    a vLLM outside the tested range raises version.VllmVersionError."""
+    if method in _NOT_HOSTED:
+        raise InvalidRequestError(f"speculative_config: method {method!r}: {_NOT_HOSTED[method]}")
+    if method not in METHODS:
+        raise InvalidRequestError(
+            f"speculative_config: unknown method {method!r}; vLLM hosts {', '.join(METHODS)}"
+        )
+    unknown = sorted(set(options) - _OPTIONS[method])
+    if unknown:
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): unknown option(s) {', '.join(unknown)}; "
+            f"it takes {', '.join(sorted(_OPTIONS[method]))}"
+        )
+    version.check()
+    sampler = options.get("sampler", "vllm")
+    if sampler not in SAMPLERS:
+        raise InvalidRequestError(
+            f"speculative_config: sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}"
+        )
+    specdec_options = {"sampler": "specdec"} if sampler == "specdec" else {}
+    depth = options.get("num_speculative_tokens")
+    if depth is not None:
+        _check_positive_int("num_speculative_tokens", depth)
+    if method == "ngram":
+        for name in ("ngram_max", "ngram_min"):
+            if name in options:
+                _check_positive_int(name, options[name])
+                specdec_options[name] = options[name]
+        lo, hi = specdec_options.get("ngram_min", 1), specdec_options.get("ngram_max", 4)
+        if lo > hi:
+            raise InvalidRequestError(
+                f"speculative_config: ngram_min ({lo}) must be <= ngram_max ({hi})"
+            )
+        config = {
+            "method": "custom_class",
+            "model": NGRAM_PROPOSER,
+            "num_speculative_tokens": depth or DEFAULT_DEPTH,
+        }
+    else:
+        config = _head_config(method, depth, options)
+    if specdec_options:
+        config[OPTIONS_KEY] = specdec_options
+    return config
+
+
+def _head_config(method: str, depth, options) -> dict:
+    from specdec.heads import DEFAULT_HEAD, DEFAULT_MEDUSA, EAGLE3_HEAD
+    from specdec.integrations.vllm.export import head_kind, resolve_head_dir
+
+    default = {"eagle": DEFAULT_HEAD, "eagle3": EAGLE3_HEAD, "medusa": DEFAULT_MEDUSA}[method]
+    head_dir = resolve_head_dir(options.get("head") or default)
+    kind = head_kind(head_dir)
+    if (kind == "medusa") != (method == "medusa") or (method == "eagle3" and kind != "eagle3"):
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): head {options.get('head')!r} is a {kind} head"
+        )
+    exported = export_cached(head_dir, options.get("model"), options.get("export_dir"))
+    if depth is None:
+        depth = exported.num_speculative_tokens
+    if kind == "medusa" and depth > exported.num_speculative_tokens:
+        raise InvalidRequestError(
+            f"speculative_config('medusa'): num_speculative_tokens {depth} exceeds the "
+            f"{exported.num_speculative_tokens} Medusa heads"
+        )
+    return {"method": kind, "model": exported.path, "num_speculative_tokens": depth}
+
+
+def export_cached(head_dir: str, model: str | None = None, export_dir: str | None = None):
+    """export.export_head into export_dir (default: a directory under specdec's cache named
+    after the head, the target and their files' sizes and times), reusing an export whose
+    record matches -> export.ExportedHead. Written into a temporary sibling and renamed, so
+    a reader never sees half an export."""
+    from specdec.integrations.vllm.export import EXPORT_RECORD, ExportedHead, export_head
+    from specdec.models.loader import cache_root
+
+    stamp = _stamp(head_dir, model)
+    if export_dir is None:
+        name = os.path.basename(os.path.normpath(head_dir))
+        export_dir = os.path.join(cache_root(), "vllm-heads", f"{name}-{stamp[:12]}")
+    record = os.path.join(export_dir, EXPORT_RECORD)
+    if os.path.isfile(record):
+        with open(record) as f:
+            saved = json.load(f)
+        if saved.get("stamp") == stamp:
+            saved.pop("stamp")
+            return ExportedHead(**saved)
+    parent = os.path.dirname(os.path.abspath(export_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".exporting-", dir=parent)
+    try:
+        exported = export_head(head_dir, tmp, model)
+        with open(os.path.join(tmp, EXPORT_RECORD)) as f:
+            saved = json.load(f)
+        saved["stamp"] = stamp
+        saved["path"] = os.path.abspath(export_dir)
+        with open(os.path.join(tmp, EXPORT_RECORD), "w") as f:
+            json.dump(saved, f, indent=2)
+        os.chmod(tmp, 0o755)
+        shutil.rmtree(export_dir, ignore_errors=True)
+        os.replace(tmp, export_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportedHead(
+        os.path.abspath(export_dir),
+        exported.method,
+        exported.num_speculative_tokens,
+        exported.source,
+        exported.notes,
+    )
+
+
+def _stamp(head_dir: str, model: str | None) -> str:
+    from specdec.integrations.vllm.export import FORMAT_VERSION
+
+    parts = [str(FORMAT_VERSION), os.path.abspath(head_dir), str(model)]
+    for name in sorted(os.listdir(head_dir)):
+        st = os.stat(os.path.join(head_dir, name))
+        parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequestError(
+            f"speculative_config: {name} must be an integer >= 1, got {value!r}"
+        )

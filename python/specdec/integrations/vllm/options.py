@@ -1,0 +1,53 @@
+"""specdec's own options inside a vLLM engine: what `speculative_config(...)` puts under the
+key "specdec" and the plugin moves into vLLM's `additional_config["specdec"]`, which vLLM
+hands to every worker with the rest of its config.
+
+    {"sampler": "specdec"}          rejection sampling through tree_rejection_sample
+    {"ngram_max": 4, "ngram_min": 1} the n-gram proposer's match lengths
+
+SPECDEC_VLLM_SAMPLER=1 in the environment turns the sampler on as {"sampler": "specdec"} does
+(for a `vllm serve` started without specdec's options, say).
+"""
+
+import os
+
+from specdec.errors import InvalidRequestError
+
+KEY = "specdec"
+SAMPLER_ENV = "SPECDEC_VLLM_SAMPLER"
+KNOWN = {"sampler", "ngram_max", "ngram_min"}
+
+
+def check_options(options) -> dict:
+    """options (the "specdec" value of a speculative config) -> options; InvalidRequestError
+    naming what is wrong."""
+    if not isinstance(options, dict):
+        raise InvalidRequestError(
+            f"speculative_config['{KEY}'] must be a dict of specdec options, got {options!r}"
+        )
+    unknown = sorted(set(options) - KNOWN)
+    if unknown:
+        raise InvalidRequestError(
+            f"speculative_config['{KEY}']: unknown option(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(KNOWN))}"
+        )
+    if options.get("sampler", "vllm") not in ("vllm", "specdec"):
+        raise InvalidRequestError(
+            f"speculative_config['{KEY}']['sampler'] must be 'vllm' or 'specdec', got "
+            f"{options['sampler']!r}"
+        )
+    return options
+
+
+def specdec_options(vllm_config) -> dict:
+    """The specdec options of an engine's VllmConfig ({} when none were given, or None)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    options = extra.get(KEY) if isinstance(extra, dict) else None
+    return dict(options or {})
+
+
+def sampler_enabled(vllm_config) -> bool:
+    """Whether the engine's rejection sampling goes through specdec (option or environment)."""
+    if os.environ.get(SAMPLER_ENV, "0") not in ("", "0"):
+        return True
+    return specdec_options(vllm_config).get("sampler") == "specdec"

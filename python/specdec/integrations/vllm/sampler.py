@@ -1,0 +1,281 @@
+"""vLLM's rejection sampling through torch.ops.specdec.tree_rejection_sample.
+
+vLLM's RejectionSampler.forward applies everything that shapes the target distribution
+(logits processors, penalties, bad words, temperature, top-k, top-p) to the draft positions'
+logits and samples the bonus token with its own sampler, then calls the module-level
+`rejection_sample` for the accept / recover walk. `rejection_sample` below replaces that
+function (install()). A chain of drafts is a tree; each request's chain is one row of the op's
+batch, with temperature 0 for greedy requests (the argmax, ties to the lowest id, as vLLM's
+argmax) and 1 for sampled ones (vLLM already divided by the temperature and masked top-k /
+top-p). Two layouts, the same result:
+
+- every request has K drafts and they are point masses (draft_probs None; vLLM's eagle,
+  eagle3, medusa and n-gram methods in steady decoding): vLLM's [B * K, V] logits *are* a
+  [B, K, V] batch of K-node chains (node 0 the root, node j < K draft j, node j's logits
+  deciding draft j + 1), passed without a copy. The op's bonus token is then a sample y of the
+  target at the last draft's position: draft K is accepted iff y equals it (for a point-mass
+  draft this is rejection sampling's own rule: accepted with probability p(x), and a rejected
+  y is p conditioned on y != x, the residual), and then vLLM's bonus token follows.
+- otherwise (drafts of different lengths, draft distributions): a [B, K + 1, V] copy, node
+  k_b holding vLLM's bonus token as a point mass (0 at the token, -inf elsewhere), so that an
+  all-accepted chain emits exactly vLLM's bonus token.
+
+The op's output rows (accepted drafts, then the recovered or bonus token, then -1) are vLLM's
+output rows.
+
+install() also replaces the rejection sampler's `expand_batch_to_tokens` (per-request
+temperature, top-k and top-p repeated per draft token before vLLM processes the logits): vLLM
+0.32's CPU build runs it through a C++ kernel that writes into an int64 copy of its output
+unless the output is int64 already, so float temperatures and int32 top-k come back as
+uninitialised memory and sampled speculative decoding on CPU draws from garbage-scaled
+logits (tests/integrations/test_vllm_sampler.py shows it). The replacement is
+torch.repeat_interleave, the same values the GPU kernel computes.
+
+Uniforms come from the request's own generator when it has a seed (vLLM's
+`generators`), else torch's. The distribution is the target's (the op's rule, docs/ops.md);
+greedy output equals vLLM's token for token. vLLM's synthetic acceptance mode is not
+rejection sampling: it goes to vLLM's own function unchanged.
+"""
+
+import contextlib
+import functools
+
+import torch
+
+import specdec_kernels  # noqa: F401  (registers torch.ops.specdec)
+
+_original = None  # vLLM's rejection_sample, kept by install() for restore()
+_original_expand = None  # vLLM's expand_batch_to_tokens, likewise
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: list,
+    max_spec_len: int,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    sampling_metadata,
+    synthetic_mode: bool = False,
+    synthetic_conditional_rates: torch.Tensor | None = None,
+    use_fp64_gumbel: bool = False,
+) -> torch.Tensor:
+    """vLLM's rejection_sample contract: draft_token_ids [N] (N = sum(num_draft_tokens)),
+    target_logits [N, V] (processed), draft_probs [N, V] or None, bonus_token_ids [B, 1]
+    -> output_token_ids int32 [B, max_spec_len + 1], -1 past each request's tokens."""
+    if synthetic_mode:
+        return _vllm_rejection_sample()(
+            draft_token_ids,
+            num_draft_tokens,
+            max_spec_len,
+            cu_num_draft_tokens,
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            sampling_metadata,
+            synthetic_mode=synthetic_mode,
+            synthetic_conditional_rates=synthetic_conditional_rates,
+            use_fp64_gumbel=use_fp64_gumbel,
+        )
+    B, K = len(num_draft_tokens), max_spec_len
+    device = target_logits.device
+    fixed = _fixed_inputs(B, K, str(device))
+    temperature = (
+        fixed.greedy_temperature
+        if sampling_metadata.all_greedy
+        else (sampling_metadata.temperature != 0).to(torch.float32)  # 0: vLLM's greedy mark
+    )
+    uniform = (
+        draft_probs is None
+        and K > 0
+        and all(n == K for n in num_draft_tokens)
+        and target_logits.is_contiguous()
+    )
+    if uniform:  # K-node chains over vLLM's logits as they are, draft K checked after
+        drafts = draft_token_ids.view(B, K).to(torch.int32)
+        tokens = torch.cat((fixed.zero_column, drafts[:, :-1]), dim=1)  # node 0 is unused
+        _, num_accepted, output = torch.ops.specdec.tree_rejection_sample(
+            target_logits.view(B, K, -1),
+            tokens,
+            fixed.chain_parents,
+            fixed.num_nodes,
+            None,
+            temperature,
+            fixed.top_k,
+            fixed.top_p,
+            _uniforms(sampling_metadata, num_draft_tokens, K + 1, fixed).to(device),
+        )
+        last = (num_accepted == K - 1) & (output[:, K - 1] == drafts[:, K - 1])
+        bonus = torch.where(last, bonus_token_ids.view(-1).to(torch.int32), -1)
+        return torch.cat((output, bonus[:, None]), dim=1)
+    tree = chain_batch(
+        draft_token_ids, num_draft_tokens, max_spec_len, draft_probs, target_logits, bonus_token_ids
+    )
+    _, _, output_tokens = torch.ops.specdec.tree_rejection_sample(
+        tree.logits,
+        tree.tokens,
+        tree.parents,
+        tree.num_nodes,
+        tree.draft_probs,
+        temperature,
+        fixed.top_k,
+        fixed.top_p,
+        _uniforms(sampling_metadata, num_draft_tokens, K + 2, fixed).to(device),  # T = K + 1
+    )
+    return output_tokens
+
+
+def _chain_parents(B: int, T: int, device) -> torch.Tensor:
+    """parents [B, T] of T-node chains: node j's parent is j - 1 (the root's -1)."""
+    return (torch.arange(T, dtype=torch.int32) - 1).expand(B, T).contiguous().to(device)
+
+
+class _FixedInputs:
+    """The op's inputs that depend on the batch shape only (B requests, chains of up to K
+    drafts), built once per shape: vLLM's steps repeat a few shapes, and at batch 1 these
+    small tensors cost as much as the walk itself."""
+
+    def __init__(self, B: int, K: int, device: str):
+        self.parents = _chain_parents(B, K + 1, device)  # chains of K + 1 nodes (padded layout)
+        self.chain_parents = _chain_parents(B, K, device)  # of K nodes (vLLM's logits as is)
+        self.num_nodes = torch.full((B,), K, dtype=torch.int32, device=device)
+        self.top_k = torch.zeros(B, dtype=torch.int32, device=device)  # 0: off (vLLM applied it)
+        self.top_p = torch.ones(B, device=device)  # 1.0: off (vLLM applied it)
+        self.zero_column = torch.zeros(B, 1, dtype=torch.int32, device=device)
+        self.greedy_temperature = torch.zeros(B, device=device)  # temperature 0: the argmax
+        self.greedy_uniforms = {w: torch.zeros(B, w) for w in (K + 1, K + 2)}
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_inputs(B: int, K: int, device: str) -> _FixedInputs:
+    return _FixedInputs(B, K, device)
+
+
+class ChainBatch:
+    """A batch of chains as tree_rejection_sample takes it (T = max_spec_len + 1 nodes):
+    logits [B, T, V], tokens [B, T] (node 0 unused), parents [B, T], num_nodes [B],
+    draft_probs [B, T, V] or None."""
+
+    def __init__(self, logits, tokens, parents, num_nodes, draft_probs):
+        self.logits, self.tokens, self.parents = logits, tokens, parents
+        self.num_nodes, self.draft_probs = num_nodes, draft_probs
+
+
+def chain_batch(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: list,
+    max_spec_len: int,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+) -> ChainBatch:
+    """vLLM's flattened drafts -> ChainBatch (see the module docstring). Padding nodes (past a
+    request's num_nodes) are never read by the op and are left unset."""
+    B, T, V = len(num_draft_tokens), max_spec_len + 1, target_logits.shape[-1]
+    dev = target_logits.device
+    counts = torch.tensor(num_draft_tokens, dtype=torch.long)
+    request = torch.repeat_interleave(torch.arange(B), counts)  # [N]: each draft's request
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(len(request)) - starts[request]  # [N]: j, the draft's index
+    draft_rows = (request * T + position).to(dev)  # the node whose logits decide draft j + 1
+    bonus_rows = (torch.arange(B) * T + counts).to(dev)  # node k_b: the bonus point mass
+
+    logits = torch.empty(B * T, V, dtype=target_logits.dtype, device=dev)
+    logits.index_copy_(0, draft_rows, target_logits)
+    logits[bonus_rows] = float("-inf")
+    logits[bonus_rows, bonus_token_ids.view(-1).to(dev)] = 0.0
+
+    tokens = torch.zeros(B * T, dtype=torch.int32, device=dev)
+    tokens.index_copy_(0, draft_rows + 1, draft_token_ids.to(torch.int32))  # draft j is node j+1
+    parents = _chain_parents(B, T, dev)
+    probs = None
+    if draft_probs is not None:
+        probs = torch.zeros(B * T, V, dtype=draft_probs.dtype, device=dev)
+        probs.index_copy_(0, draft_rows, draft_probs)
+        probs = probs.view(B, T, V)
+    return ChainBatch(
+        logits.view(B, T, V),
+        tokens.view(B, T),
+        parents,
+        (counts + 1).to(torch.int32).to(dev),
+        probs,
+    )
+
+
+def _uniforms(sampling_metadata, num_draft_tokens: list, width: int, fixed) -> torch.Tensor:
+    """[B, width] uniforms in [0, 1): zeros when every request is greedy (nothing is drawn,
+    as vLLM draws nothing then); a seeded request's from its own generator, and only when it
+    has drafts (as vLLM, so that its stream depends on its own drafts only)."""
+    B = len(num_draft_tokens)
+    if sampling_metadata.all_greedy:
+        return fixed.greedy_uniforms[width]
+    uniforms = torch.rand(B, width)
+    for b, generator in sampling_metadata.generators.items():
+        if num_draft_tokens[b] > 0:
+            uniforms[b] = torch.rand(width, generator=generator)
+    return uniforms
+
+
+def _vllm_rejection_sample():
+    from vllm.v1.sample import rejection_sampler
+
+    return _original or rejection_sampler.rejection_sample
+
+
+def expand_batch_to_tokens(
+    x: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    num_tokens: int,
+    replace_from: int = 0,
+    replace_to: int = 0,
+) -> torch.Tensor:
+    """vLLM's contract: x [B] -> [num_tokens], request b's value repeated for its tokens
+    (cu_num_tokens [B]: cumulative counts), replace_from replaced by replace_to."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+
+
+def install() -> None:
+    """Routes vLLM's rejection sampling (in this process) through rejection_sample above, and
+    its per-token expansion of sampling parameters through expand_batch_to_tokens."""
+    global _original, _original_expand
+    from vllm.v1.sample import rejection_sampler
+
+    if rejection_sampler.rejection_sample is not rejection_sample:
+        _original = rejection_sampler.rejection_sample
+        rejection_sampler.rejection_sample = rejection_sample
+    if rejection_sampler.expand_batch_to_tokens is not expand_batch_to_tokens:
+        _original_expand = rejection_sampler.expand_batch_to_tokens
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def restore() -> None:
+    """Gives vLLM its own rejection sampling back (in this process)."""
+    from vllm.v1.sample import rejection_sampler
+
+    if _original is not None:
+        rejection_sampler.rejection_sample = _original
+    if _original_expand is not None:
+        rejection_sampler.expand_batch_to_tokens = _original_expand
+
+
+@contextlib.contextmanager
+def routed():
+    """install() for the duration of a with block (one RejectionSampler.forward), then what
+    was there before back."""
+    from vllm.v1.sample import rejection_sampler
+
+    before = rejection_sampler.rejection_sample, rejection_sampler.expand_batch_to_tokens
+    install()
+    try:
+        yield
+    finally:
+        rejection_sampler.rejection_sample, rejection_sampler.expand_batch_to_tokens = before
+
+
+def installed() -> bool:
+    from vllm.v1.sample import rejection_sampler
+
+    return rejection_sampler.rejection_sample is rejection_sample

@@ -1,0 +1,239 @@
+"""specdec's rejection sampling inside vLLM (sampler.py) against vLLM's own, on the inputs
+vLLM's RejectionSampler hands it: greedy output token-identical to vLLM's CPU kernels, and
+sampled output distributed as the target processed the way vLLM processes it (temperature,
+top-k, top-p through RejectionSampler.forward), a deliberately wrong sampler failing the same
+statistical test (tests/ops/test_rejection_stats.py's idiom)."""
+
+import pytest
+import scipy.stats
+import torch
+
+from specdec.integrations.vllm.version import INSTALL_HINT, installed_version
+
+pytestmark = pytest.mark.skipif(
+    installed_version() is None, reason=f"vLLM is not installed: {INSTALL_HINT}"
+)
+
+N = 20_000  # independent copies of one problem, one call
+V, K = 12, 3
+P_MIN_EXACT, P_MAX_WRONG = 1e-3, 1e-6
+
+
+@pytest.fixture(scope="module")
+def vllm_sampling():
+    """vLLM's rejection_sampler module with the CPU platform's kernels registered (as in a
+    worker), and specdec's sampler module; vLLM's own function restored afterwards."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    from specdec.integrations.vllm import sampler
+
+    current_platform.register_triton_kernel_overrides()
+    own = rejection_sampler.rejection_sample
+    yield rejection_sampler, own, sampler
+    rejection_sampler.rejection_sample = own
+
+
+def _metadata(B, temperature=None, top_k=None, top_p=None, generators=None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    greedy = temperature is None
+    return SamplingMetadata(
+        temperature=None if greedy else torch.full((B,), temperature),
+        all_greedy=greedy,
+        all_random=not greedy,
+        top_p=None if top_p is None else torch.full((B,), top_p),
+        top_k=None if top_k is None else torch.full((B,), top_k, dtype=torch.int32),
+        generators=generators or {},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(B),
+        presence_penalties=torch.zeros(B),
+        repetition_penalties=torch.ones(B),
+        output_token_ids=[[] for _ in range(B)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
+
+
+def _greedy_inputs(num_draft_tokens, vocab, gen):
+    n = sum(num_draft_tokens)
+    logits = torch.randn(n, vocab, generator=gen) * 2
+    best = logits.argmax(-1)
+    guess = torch.randint(vocab, (n,), generator=gen)
+    drafts = torch.where(torch.rand(n, generator=gen) < 0.6, best, guess).to(torch.int32)
+    cu = torch.cumsum(torch.tensor(num_draft_tokens, dtype=torch.int32), 0, dtype=torch.int32)
+    bonus = torch.randint(vocab, (len(num_draft_tokens), 1), generator=gen)
+    return drafts, list(num_draft_tokens), max(num_draft_tokens), cu, None, logits, bonus
+
+
+@pytest.mark.parametrize(
+    "num_draft_tokens",
+    [[4] * 6, [1], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4] * 3, [3, 0, 1, 3, 2], [0, 2]],
+    ids=["uniform", "one-draft", "batch-36", "mixed", "with-empty"],
+)
+def test_greedy_equals_vllm(vllm_sampling, num_draft_tokens, _fresh_seed):
+    _, own, sampler = vllm_sampling
+    gen = torch.Generator().manual_seed(_fresh_seed)
+    for _ in range(20):
+        args = _greedy_inputs(num_draft_tokens, 500, gen)
+        meta = _metadata(len(num_draft_tokens))
+        assert torch.equal(sampler.rejection_sample(*args, meta), own(*args, meta))
+
+
+def _spec_metadata(num_draft_tokens, drafts):
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    n = torch.tensor(num_draft_tokens)
+    starts = torch.cumsum(n + 1, 0) - (n + 1)  # each request's first logits row
+    targets = torch.cat([s + torch.arange(k) for s, k in zip(starts.tolist(), num_draft_tokens)])
+    return SpecDecodeMetadata(
+        draft_token_ids=drafts,
+        num_draft_tokens=list(num_draft_tokens),
+        cu_num_draft_tokens=torch.cumsum(n, 0).to(torch.int32),
+        cu_num_sampled_tokens=torch.cumsum(n + 1, 0).to(torch.int32),
+        target_logits_indices=targets.to(torch.int32),
+        bonus_logits_indices=(starts + n).to(torch.int32),
+        logits_indices=torch.arange(int((n + 1).sum()), dtype=torch.int32),
+    )
+
+
+def _sample_copies(layout, seed):
+    """N copies of one chain problem through vLLM's RejectionSampler.forward (temperature
+    0.8, top-k 6, top-p 0.9) with whichever rejection_sample is installed -> (output
+    [N, K + 1], the K + 1 logits rows, the drafts). layout "uniform": every copy drafts K
+    tokens; "mixed": every other copy K - 1 (specdec's padded layout)."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(K + 1, V, generator=gen)
+    drafts = rows[:K].argsort(dim=-1, descending=True)[:, 1]  # each the 2nd likeliest token
+    counts = [K if layout == "uniform" or i % 2 == 0 else K - 1 for i in range(N)]
+    logits = torch.cat([torch.cat((rows[:k], rows[K:])) for k in counts])  # k drafts + bonus
+    flat = torch.cat([drafts[:k] for k in counts]).to(torch.int32)
+    meta = _metadata(N, temperature=0.8, top_k=6, top_p=0.9)
+    out = RejectionSampler(Sampler())(_spec_metadata(counts, flat), None, logits, meta)
+    return out.sampled_token_ids, rows, drafts
+
+
+def _processed(rows):
+    """The target distribution of each row as vLLM processes it: / temperature, top-k, top-p."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    n = len(rows)
+    x = apply_top_k_top_p(rows / 0.8, torch.full((n,), 6), torch.full((n,), 0.9))
+    return torch.softmax(x.double(), dim=-1)
+
+
+def _pvalue(samples, probs):
+    if (samples < 0).any():  # a position left empty where a token is due
+        return 0.0
+    counts = torch.bincount(samples.long(), minlength=V).double()
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    obs, exp = counts[support], probs[support] / probs[support].sum() * len(samples)
+    return float(scipy.stats.chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def _fit(out, rows, drafts):
+    """p-values: the first token against the target at the root; the second, given the first
+    draft was accepted, against the target after it."""
+    p = _processed(rows)
+    first = _pvalue(out[:, 0], p[0])
+    second = _pvalue(out[out[:, 0] == drafts[0], 1], p[1])
+    return first, second
+
+
+def _wrong_rejection_sample(
+    draft_token_ids,
+    num_draft_tokens,
+    max_spec_len,
+    cu,
+    draft_probs,
+    target_logits,
+    bonus_token_ids,
+    sampling_metadata,
+    **_,
+):
+    """A plausible mistake: a rejected draft is replaced by a sample of the target itself,
+    not of the residual (the target without the rejected token), so the token is over-drawn."""
+    probs = torch.softmax(target_logits.float(), dim=-1)
+    out = torch.full((len(num_draft_tokens), max_spec_len + 1), -1, dtype=torch.int32)
+    start = 0
+    for b, k in enumerate(num_draft_tokens):
+        for j in range(k + 1):
+            if j == k:
+                out[b, j] = int(bonus_token_ids[b, 0])
+                break
+            x = int(draft_token_ids[start + j])
+            if torch.rand(()) < probs[start + j, x]:
+                out[b, j] = x
+                continue
+            out[b, j] = int(torch.multinomial(probs[start + j], 1))
+            break
+        start += k
+    return out
+
+
+@pytest.fixture
+def installed(vllm_sampling):
+    """specdec's sampler installed as the plugin installs it, vLLM's restored afterwards."""
+    module, own, sampler = vllm_sampling
+    own_expand = module.expand_batch_to_tokens
+    sampler.install()
+    yield module
+    module.rejection_sample, module.expand_batch_to_tokens = own, own_expand
+
+
+@pytest.mark.parametrize("layout", ["uniform", "mixed"])
+def test_sampled_distribution_is_the_targets(installed, layout, _fresh_seed):
+    first, second = _fit(*_sample_copies(layout, _fresh_seed))
+    assert first > P_MIN_EXACT and second > P_MIN_EXACT, (first, second)
+
+
+def test_vllm_kernels_pass_the_same_test(installed, vllm_sampling, _fresh_seed):
+    """The test's own check: vLLM's rejection kernels pass it (given sampling parameters
+    expanded correctly, see test_parameters_are_expanded_per_draft)."""
+    installed.rejection_sample = vllm_sampling[1]
+    first, second = _fit(*_sample_copies("uniform", _fresh_seed))
+    assert first > P_MIN_EXACT and second > P_MIN_EXACT, (first, second)
+
+
+def test_a_wrong_sampler_fails_the_same_test(installed, _fresh_seed):
+    installed.rejection_sample = _wrong_rejection_sample
+    first, _ = _fit(*_sample_copies("uniform", _fresh_seed))
+    assert first < P_MAX_WRONG, first
+
+
+def test_parameters_are_expanded_per_draft(installed):
+    """Per-request temperature / top-k / top-p repeated for each draft token, as vLLM's
+    rejection sampler asks (vLLM 0.32's CPU kernel returns uninitialised memory for float and
+    int32 inputs: sampler.py's docstring)."""
+    cu = torch.tensor([3, 3, 5], dtype=torch.int32)
+    temperature = torch.tensor([0.5, 0.7, 0.0])
+    got = installed.expand_batch_to_tokens(temperature, cu, 5, replace_from=0, replace_to=1)
+    assert torch.equal(got, torch.tensor([0.5, 0.5, 0.5, 1.0, 1.0]))
+    top_k = torch.tensor([6, 9, 2], dtype=torch.int32)
+    assert torch.equal(
+        installed.expand_batch_to_tokens(top_k, cu, 5),
+        torch.tensor([6, 6, 6, 2, 2], dtype=torch.int32),
+    )
+
+
+def test_seeded_requests_repeat(vllm_sampling):
+    """A request with a seed (vLLM's per-request generator) draws its uniforms from it: the
+    same seed gives the same tokens."""
+    _, _, sampler = vllm_sampling
+    gen = torch.Generator().manual_seed(0)
+    args = _greedy_inputs([3, 3], 50, gen)
+
+    def run():
+        g = {0: torch.Generator().manual_seed(7), 1: torch.Generator().manual_seed(8)}
+        return sampler.rejection_sample(*args, _metadata(2, temperature=1.0, generators=g))
+
+    assert torch.equal(run(), run())
