@@ -176,22 +176,44 @@ void check_row(bool ok, int64_t b, int64_t node) {
               "a finite maximum)");
 }
 
-// First index of the largest logit; throws on a NaN / +inf / all -inf row.
-template <typename scalar_t>
-int32_t argmax_checked(const scalar_t* row, int64_t V, int64_t b, int64_t node) {
-  float best = -std::numeric_limits<float>::infinity();
-  int32_t arg = 0;
-  bool nan = false;
-  for (int64_t t = 0; t < V; ++t) {
-    const float x = static_cast<float>(row[t]);
-    nan |= x != x;
-    if (x > best) {
-      best = x;
-      arg = static_cast<int32_t>(t);
+// First index of the largest logit; throws on a NaN / +inf / all -inf row. Vectors of
+// 2 LANES floats, each lane keeping its first largest value and its index; the lanes' tie
+// goes to the smallest index, so the result is the scalar scan's.
+template <int LANES, typename scalar_t>
+SPECDEC_INLINE int32_t argmax_checked(const scalar_t* row, int64_t V, int64_t b, int64_t node) {
+  constexpr int L = 2 * LANES;
+  using vf = typename Simd<L>::f;
+  using vi = typename Simd<L>::i32;
+  const vf neg_inf = vf{} - std::numeric_limits<float>::infinity();
+  vf best = neg_inf;
+  vi arg{}, index{}, nan{};
+  for (int j = 0; j < L; ++j) index[j] = j;
+  for (int64_t t = 0; t < V; t += L) {  // V < 2^31 (checks.cpp): t fits int32
+    vf x = neg_inf;                     // a partial vector is padded with -inf, never taken
+    if (t + L <= V && std::is_same_v<scalar_t, float>) {
+      __builtin_memcpy(&x, row + t, sizeof(x));
+    } else {
+      for (int64_t j = 0; j < std::min<int64_t>(L, V - t); ++j)
+        x[j] = static_cast<float>(row[t + j]);
     }
+    nan |= x != x;
+    const vi larger = x > best;
+    best = larger ? x : best;
+    arg = larger ? index : arg;
+    index += L;
   }
-  check_row(!nan && std::isfinite(best), b, node);
-  return arg;
+  float hi = best[0];
+  int32_t a = arg[0];
+  bool any_nan = nan[0] != 0;
+  for (int j = 1; j < L; ++j) {
+    if (best[j] > hi || (best[j] == hi && arg[j] < a)) {
+      hi = best[j];
+      a = arg[j];
+    }
+    any_nan |= nan[j] != 0;
+  }
+  check_row(!any_nan && std::isfinite(hi), b, node);
+  return a;
 }
 
 // (min, max) logit of a row; throws on a NaN / +inf / all -inf row. Vectors of 2 LANES floats.
@@ -545,12 +567,12 @@ int64_t next_child(const Request& rq, int64_t u, int64_t after) {
 
 // Greedy: the processed rows are one-hot, so the rule accepts the first child whose token is
 // the argmax and emits the argmax as the bonus token (given draft probabilities <= 1).
-template <typename scalar_t>
-void walk_greedy(const scalar_t* logits, const Request& rq) {
+template <int LANES, typename scalar_t>
+SPECDEC_INLINE void walk_greedy(const scalar_t* logits, const Request& rq) {
   int64_t u = 0, k = 0;
   rq.accepted[0] = 0;
   while (true) {
-    const int32_t a = argmax_checked(logits + u * rq.V, rq.V, rq.b, u);
+    const int32_t a = argmax_checked<LANES>(logits + u * rq.V, rq.V, rq.b, u);
     int64_t c = next_child(rq, u, -1);
     while (c >= 0 && rq.draft[c] != a) c = next_child(rq, u, c);
     rq.tokens[k] = a;
@@ -613,26 +635,41 @@ SPECDEC_INLINE void walk_sampled(const scalar_t* logits, const DraftProbs& dp, c
 }
 
 // ---------------------------------------------------------------- dispatch
+// One request's walk: greedy (temperature 0) or sampled; the scratch of the sampled walk is
+// made on the first sampled request of a task.
+template <int LANES, typename scalar_t>
+SPECDEC_INLINE void walk(const scalar_t* logits, const DraftProbs& dp, const Request& rq,
+                         std::unique_ptr<Scratch>& s) {
+  if (rq.prm.temperature == 0.0) {
+    walk_greedy<LANES>(logits, rq);
+    return;
+  }
+  if (!s) s = std::make_unique<Scratch>(rq.V);
+  walk_sampled<LANES>(logits, dp, rq, *s);
+}
+
 template <typename scalar_t>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"))) void walk_avx512(
-    const scalar_t* logits, const DraftProbs& dp, const Request& rq, Scratch& s) {
-  walk_sampled<8>(logits, dp, rq, s);
+    const scalar_t* logits, const DraftProbs& dp, const Request& rq, std::unique_ptr<Scratch>& s) {
+  walk<8>(logits, dp, rq, s);
 }
 
 template <typename scalar_t>
 __attribute__((target("avx2,fma,f16c"))) void walk_avx2(const scalar_t* logits,
                                                         const DraftProbs& dp, const Request& rq,
-                                                        Scratch& s) {
-  walk_sampled<4>(logits, dp, rq, s);
+                                                        std::unique_ptr<Scratch>& s) {
+  walk<4>(logits, dp, rq, s);
 }
 
 template <typename scalar_t>
-void walk_baseline(const scalar_t* logits, const DraftProbs& dp, const Request& rq, Scratch& s) {
-  walk_sampled<2>(logits, dp, rq, s);
+void walk_baseline(const scalar_t* logits, const DraftProbs& dp, const Request& rq,
+                   std::unique_ptr<Scratch>& s) {
+  walk<2>(logits, dp, rq, s);
 }
 
 template <typename scalar_t>
-using WalkFn = void (*)(const scalar_t*, const DraftProbs&, const Request&, Scratch&);
+using WalkFn = void (*)(const scalar_t*, const DraftProbs&, const Request&,
+                        std::unique_ptr<Scratch>&);
 
 // The widest build cpu_isa() allows (avx512bf16 means avx512 here).
 template <typename scalar_t>
@@ -669,9 +706,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
   int32_t* out = tokens.data_ptr<int32_t>();
   SPECDEC_DISPATCH_FLOAT_DTYPE(target_logits.scalar_type(), scalar_t, {
     const scalar_t* logits = target_logits.data_ptr<scalar_t>();
-    const WalkFn<scalar_t> walk_sampled = pick_walk<scalar_t>();
+    const WalkFn<scalar_t> walk_request = pick_walk<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      std::unique_ptr<Scratch> s;  // only sampled requests need it
+      std::unique_ptr<Scratch> s;  // only sampled requests need it (walk)
       for (int64_t b = b0; b < b1; ++b) {
         const Request rq{b,
                          T,
@@ -684,13 +721,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
                          acc + b * T,
                          out + b * T,
                          na + b};
-        const scalar_t* rows = logits + b * T * V;
-        if (temp[b] == 0.f) {
-          walk_greedy(rows, rq);
-          continue;
-        }
-        if (!s) s = std::make_unique<Scratch>(V);
-        walk_sampled(rows, dp, rq, *s);
+        walk_request(logits + b * T * V, dp, rq, s);
       }
     });
   });

@@ -242,6 +242,52 @@ def test_greedy_ties_go_to_lowest_id(dtype, device, backend):
     assert acc.tolist() == [[0, 2, -1]] and num.tolist() == [1] and toks.tolist() == [[4, 2, -1]]
 
 
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_in_every_build(isa, dtype, device, cpu_isa):
+    """The greedy walk's argmax runs in vectors (each lane keeps its first largest logit, the
+    lanes' ties go to the lowest id): the maximum at the start, at lane and vector edges and
+    in a partial last vector, tied with later ids and beside -inf entries, gives the scalar
+    scan's index in every build; a NaN, +inf or all -inf row is refused."""
+    if device.type != "cpu":
+        pytest.skip("CPU kernel builds")
+    if (
+        ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0)
+        < {"baseline": 0, "avx2": 1, "avx512": 2}[isa]
+    ):
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    cpu_isa(isa)
+
+    def argmax(row):
+        args = dict(
+            target_logits=row[None, None].to(dtype),
+            draft_tokens=torch.zeros(1, 1, dtype=torch.int32),
+            parents=torch.full((1, 1), -1, dtype=torch.int32),
+            num_nodes=torch.ones(1, dtype=torch.int32),
+            draft_probs=None,
+            temperature=torch.zeros(1),
+            top_k=torch.zeros(1, dtype=torch.int32),
+            top_p=torch.ones(1),
+            uniforms=torch.rand(1, 2),
+        )
+        return int(run(args, device, "cpp")[2][0, 0])
+
+    for V in (1, 5, 16, 33, 1027):
+        for at in sorted({0, 1, 3, 4, 7, 8, 15, 16, 31, 32, V // 2, V - 2, V - 1} & set(range(V))):
+            row = torch.randn(V).clamp(-3, 3)
+            row[torch.rand(V) < 0.2] = float("-inf")
+            row[at] = 5.0
+            row[at + 1 :: 7] = 5.0  # later ties: the first one wins
+            assert argmax(row) == at, (V, at)
+        for bad in (float("nan"), float("inf")):
+            row = torch.randn(V)
+            row[V - 1] = bad
+            with pytest.raises(RuntimeError, match="NaN, \\+inf or only -inf"):
+                argmax(row)
+        with pytest.raises(RuntimeError, match="only -inf"):
+            argmax(torch.full((V,), float("-inf")))
+
+
 def test_outputs_are_consistent_root_paths(device, backend):
     """-1 padding, root paths that follow parents, tokens of the accepted nodes then a bonus.
 
