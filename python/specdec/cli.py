@@ -30,6 +30,10 @@ SUBCOMMANDS = {
         "end-to-end benchmark on MT-bench prompts: HF generate, prompt lookup, "
         "plain, EAGLE chain / tree",
     ),
+    "serve": (
+        "specdec.serve.command",
+        "an OpenAI-compatible HTTP server (chat / completions, streaming) on the online engine",
+    ),
 }
 
 
