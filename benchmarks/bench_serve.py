@@ -64,6 +64,41 @@ summary["errors"] = sorted({str(e)[:300] for e in result.get("errors", []) if e}
 with open(out, "w") as f:
     json.dump(summary, f)
 """
+# llama-cpp-python's server with two input fixes, neither touching its decoding: text
+# content parts joined into a string (vLLM's client sends a message's content as
+# [{"type": "text", ...}], valid OpenAI input that llama-cpp-python hands unjoined to the chat
+# template: a TypeError), and X-Request-ID headers accepted as they come (its request-id
+# middleware answers 400 to any that is not a UUID; vLLM's client sends "<prefix><index>")
+LLAMACPP_SERVER = r"""
+import sys
+import llama_cpp
+import llama_cpp.server.app as app
+from llama_cpp.server.__main__ import main
+
+RequestIdPlugin = app.RequestIdPlugin
+app.RequestIdPlugin = lambda: RequestIdPlugin(validate=False)
+
+create = llama_cpp.Llama.create_chat_completion
+
+
+def text_of(message):
+    content = message.get("content")
+    if isinstance(content, list):
+        text = "\n".join(p["text"] for p in content if p.get("type") == "text")
+        return {**message, "content": text}
+    return message
+
+
+def create_chat_completion(self, *args, **kwargs):
+    if "messages" in kwargs:
+        kwargs["messages"] = [text_of(m) for m in kwargs["messages"]]
+    return create(self, *args, **kwargs)
+
+
+llama_cpp.Llama.create_chat_completion = create_chat_completion
+sys.argv = ["llama_cpp.server", *sys.argv[1:]]
+main()
+"""
 COLUMNS = [
     "server", "concurrency", "rate", "completed", "failed", "out_tok_s", "goodput_req_s",
     "ttft_p50", "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95", "tpot_p99",
@@ -183,9 +218,11 @@ def server_command(name, opts, port, files):
     if gguf is None:
         return "no bf16 GGUF"
     argv = [
-        opts.llamacpp_python, "-m", "llama_cpp.server", "--model", gguf,
+        opts.llamacpp_python, "-c", LLAMACPP_SERVER, "--model", gguf,
         "--model_alias", SERVED_NAME, "--n_threads", threads, "--n_threads_batch", threads,
         "--n_ctx", str(opts.max_model_len), "--host", "127.0.0.1", "--port", str(port),
+        # queue concurrent requests (its default cuts a running stream short for a new one)
+        "--interrupt_requests", "False", "--verbose", "False",
     ]  # fmt: skip
     return argv, env
 
@@ -210,7 +247,7 @@ def mtbench_file(directory) -> str:
     return path
 
 
-def client_argv(opts, url, hf_dir, concurrency, rate, dataset_path):
+def client_argv(opts, server, url, hf_dir, concurrency, rate, dataset_path):
     argv = [
         "--backend", "openai-chat", "--base-url", url, "--endpoint", "/v1/chat/completions",
         "--model", hf_dir, "--tokenizer", hf_dir, "--served-model-name", SERVED_NAME,
@@ -220,6 +257,11 @@ def client_argv(opts, url, hf_dir, concurrency, rate, dataset_path):
         "--metric-percentiles", "50,95,99", "--goodput", *opts.goodput.split(),
         "--num-warmups", str(opts.warmups), "--disable-tqdm",
     ]  # fmt: skip
+    if server.startswith("llamacpp"):
+        # its server reads neither ignore_eos nor max_completion_tokens: EOS held off by
+        # min_tokens, the length set by max_tokens
+        body = {"min_tokens": opts.output_len, "max_tokens": opts.output_len}
+        argv += ["--extra-body", json.dumps(body)]
     if opts.dataset == "random":
         argv += ["--dataset-name", "random", "--random-input-len", str(opts.input_len),
                  "--random-output-len", str(opts.output_len)]  # fmt: skip
@@ -229,9 +271,9 @@ def client_argv(opts, url, hf_dir, concurrency, rate, dataset_path):
     return argv
 
 
-def run_point(opts, url, hf_dir, concurrency, rate, workdir, dataset_path) -> dict:
-    out = os.path.join(workdir, f"point_{concurrency}_{rate}.json")
-    argv = client_argv(opts, url, hf_dir, concurrency, rate, dataset_path)
+def run_point(opts, server, url, hf_dir, concurrency, rate, workdir, dataset_path) -> dict:
+    out = os.path.join(workdir, f"point_{server}_{concurrency}_{rate}.json")
+    argv = client_argv(opts, server, url, hf_dir, concurrency, rate, dataset_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [opts.vllm_python, "-c", CLIENT, json.dumps(argv), out],
@@ -314,7 +356,9 @@ def measure_server(name, opts, files, workdir, dataset_path, log_dir) -> tuple[l
         for concurrency, rate in points:
             load = os.getloadavg()[0]
             before = specdec_counters(server.url) if name.startswith("specdec") else None
-            r = run_point(opts, server.url, files[0], concurrency, rate, workdir, dataset_path)
+            r = run_point(
+                opts, name, server.url, files[0], concurrency, rate, workdir, dataset_path
+            )
             after = specdec_counters(server.url) if before is not None else None
             row = row_of(name, concurrency, rate, r, load, before, after)
             rows.append(row)
