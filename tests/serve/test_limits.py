@@ -16,12 +16,13 @@ import openai  # noqa: E402
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FLAGS = [
-    "--method", "plain", "--dtype", "float32", "--max-batch-size", "2", "--max-queue", "0",
+    "--method", "plain", "--device", "cpu", "--dtype", "float32", "--max-batch-size", "2",
+    "--max-queue", "0",
     "--api-key", KEY, "--shutdown-timeout", "10", "--served-model-name", MODEL_NAME,
 ]  # fmt: skip
 
 
-def long_request(tokens=1500):
+def long_request(tokens=2000):
     """A request that decodes for far longer than the tests wait (EOS ignored)."""
     return {
         "messages": [{"role": "user", "content": "Count to ten thousand."}],
