@@ -144,8 +144,7 @@ class Server:
             while True:
                 update = await call.next_update()
                 if update.error is not None:
-                    call.finished = True
-                    call._observe("error")
+                    call.fail()
                     yield responses.event(error_body(update.status, update.error))
                     yield responses.DONE
                     return
@@ -238,8 +237,7 @@ class Call:
             if update is _DISCONNECTED:
                 return None
             if update.error is not None:
-                self.finished = True
-                self._observe("error")
+                self.fail()
                 raise APIError(update.status, update.error)
             if update.tokens and self.first_token_time is None:
                 self.first_token_time = time.perf_counter()
@@ -258,6 +256,11 @@ class Call:
         reason = responses.FINISH_REASONS.get(result.finish_reason)
         self._observe(reason or result.finish_reason)
         return reason
+
+    def fail(self):
+        """The request could not run (the engine refused it, or failed)."""
+        self.finished = True
+        self._observe("error")
 
     def close(self):
         if self.closed:

@@ -110,7 +110,7 @@ class EngineWorker:
                 self._publish()
         except BaseException:  # a bug here must not leave every client waiting forever
             log.error("the engine thread failed:\n%s", traceback.format_exc())
-            self._fail_all("the engine thread failed; see the server log")
+            self._fail_all("the engine thread failed; see the server log", 500)
             raise
 
     def _run_command(self, command):
@@ -172,7 +172,7 @@ class EngineWorker:
             except Exception:
                 log.error("cancel failed:\n%s", traceback.format_exc())
         self._deliver_finished({})
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down", 503)
         self._publish()
 
     def _fail_lane(self, lane: str, message: str):
@@ -188,9 +188,9 @@ class EngineWorker:
             _deliver(record.listener, Update([], None, message, 500))
         self._finished.clear()
 
-    def _fail_all(self, message: str):
+    def _fail_all(self, message: str, status: int):
         for record in self._in_flight.values():
-            _deliver(record.listener, Update([], None, message, 503))
+            _deliver(record.listener, Update([], None, message, status))
         self._in_flight.clear()
 
     def _publish(self):
