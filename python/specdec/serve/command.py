@@ -117,10 +117,24 @@ def run(args) -> int:
     if api_key is not None and not api_key.strip():
         raise InvalidRequestError("--api-key must not be empty")
     sock = _listening_socket(args.host, args.port)
+    # SIGTERM before the server runs (the model loading): nothing is in flight, stop at once
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _serve(args, choice, tree, sock, api_key)
+    except _Terminated:
+        print("specdec serve: stopped before serving (SIGTERM)", file=sys.stderr)
+        return 0
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sock.close()
+
+
+class _Terminated(Exception):
+    """SIGTERM while the engines were being built."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
 
 
 def _serve(args, choice, tree, sock, api_key) -> int:
