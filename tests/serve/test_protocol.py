@@ -244,3 +244,35 @@ def test_seeded_tree_fits_the_cost_model():
 
     assert seeded_tree(Cost(), TreeSpec.parse("adaptive:6,8,32")) == TreeSpec.parse("dynamic:3,3,4")
     assert seeded_tree(Cost(), TreeSpec.parse("adaptive:2,2,3")) == TreeSpec.parse("dynamic:2,2,3")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--port", "99999"], "--port must be in [0, 65535]"),
+        (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--api-key", " "], "--api-key must not be empty"),
+        (["--tree", "chain:0"], "tree depth must be >= 1"),
+        (["--method", "eagle+ngram", "--tree", "chain:2"], "needs a dynamic or adaptive --tree"),
+    ],
+)
+def test_bad_flags_fail_before_the_model_loads(capsys, flags, message):
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_taken_port_fails_before_the_model_loads(capsys):
+    import socket
+
+    from specdec.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--port", str(taken.getsockname()[1])])
+    assert e.value.code == 2 and "cannot listen there" in capsys.readouterr().err
