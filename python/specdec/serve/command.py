@@ -9,8 +9,9 @@ The model, drafter, tree and dtype flags are `specdec generate`'s, with the same
 defaults, so a greedy request gets the tokens `specdec generate` prints for the same prompt.
 Everything checkable without the model (flags, the port) is checked before it loads. The
 listening socket opens once the engines are built and warmed up: a client that can connect is
-served at once. SIGTERM (or Ctrl-C) stops admitting, lets the requests in flight finish for
-up to --shutdown-timeout seconds, cancels the rest and exits 0 (130 after Ctrl-C).
+served at once. The engines step in the main thread, the HTTP server runs in a second one
+(docs/serving.md, "Threads"). SIGTERM (or Ctrl-C) stops admitting, lets the requests in flight
+finish for up to --shutdown-timeout seconds, cancels the rest and exits 0 (130 after Ctrl-C).
 docs/serving.md describes the endpoints, fields, errors and metrics.
 """
 
@@ -18,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 from specdec.apps.common import add_model_placement_arguments, load_model_from_args, warm_up
 from specdec.apps.drafter_choice import DrafterChoice, add_drafter_arguments
@@ -206,26 +208,42 @@ def _serve(args, choice, tree, sock, api_key) -> int:
         f"{served.context}) on http://{_url_host(host)}:{port}",
         flush=True,
     )
-    # uvicorn restores these handlers after its graceful shutdown and raises the signal it
-    # caught again: recorded here, it ends the command with an exit code instead of a kill
+    # The engines step in this thread, the one that built and warmed them up; the HTTP
+    # server runs in a second one (docs/serving.md, "Threads"). uvicorn handles signals only
+    # in the main thread, so they are caught here and passed on: the first one starts its
+    # graceful shutdown, a second Ctrl-C forces it.
     caught = []
-    previous = {
-        sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-        for sig in (signal.SIGTERM, signal.SIGINT)
-    }
-    worker.start()
+
+    def on_signal(signum, frame):
+        if signum == signal.SIGINT and signal.SIGINT in caught:
+            uv.force_exit = True
+        caught.append(signum)
+        uv.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    http = threading.Thread(
+        target=_serve_http, args=(uv, sock, worker), name="specdec-http", daemon=True
+    )
+    http.start()
     try:
-        uv.run(sockets=[sock])
+        worker.run()  # until the HTTP server has shut down (_serve_http stops it)
     finally:
-        stopped = worker.stop(timeout=max(args.shutdown_timeout, 5.0))
+        uv.should_exit = True
+        http.join(timeout=args.shutdown_timeout + 30)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if not stopped:
-        print("specdec serve: the engine thread did not stop in time", file=sys.stderr)
-        return 1
     if not uv.started:
         raise SpecdecError(f"the server could not start on {host}:{port} (see the log above)")
     return 130 if signal.SIGINT in caught else 0
+
+
+def _serve_http(uv, sock, worker):
+    """The HTTP server's thread: uvicorn until it has shut down, then the engine loop stops
+    (cancelling whatever is still in flight)."""
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        worker.request_stop()
 
 
 def seeded_tree(cost, tree):

@@ -1,18 +1,22 @@
-"""The engine's step loop in a thread of its own: the one place where engines are called.
+"""The engines' step loop, alone in its thread: the one place where engines are called.
 
 The Engine is not thread-safe (specdec.engine), so the HTTP side never touches it: it puts
-commands (submit, cancel, stop) on a thread-safe queue, and this thread runs them between
-steps, steps every engine that has work, and hands each request's progress to the listener
-given at submission (called from this thread: the HTTP side moves it onto its event loop).
+commands (submit, cancel, stop) on a thread-safe queue, and the loop runs them between steps,
+steps every engine that has work, and hands each request's progress to the listener given at
+submission (called from the loop's thread: the HTTP side moves it onto its event loop).
 
     worker = EngineWorker({"main": engine}, metrics)
-    worker.start()
+    # HTTP thread:
     worker.submit(Request(ids, params, id="chatcmpl-1"), "main", listener)  # listener(Update)
     worker.cancel("chatcmpl-1")      # a client went away: its cache rows are freed
-    worker.stop(timeout=30)          # unfinished requests end as "cancelled"
+    worker.request_stop()            # unfinished requests end as "cancelled"
+    # the thread that built the engines (`specdec serve`: the main thread):
+    worker.run()                     # returns once stopped
 
-Idle, the thread blocks on the queue (no polling); busy, it drains the queue without waiting
-before each round of steps.
+`specdec serve` runs the loop in the thread that built and warmed up the engines, the HTTP
+server in another (docs/serving.md, "Threads"); start() / stop() run it in a thread of its
+own instead. Idle, the loop blocks on the queue (no polling); busy, it drains the queue
+without waiting before each round of steps.
 """
 
 import logging
@@ -60,10 +64,22 @@ class EngineWorker:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: dict[object, _InFlight] = {}
         self._finished: list = []  # Results the engines reported during the current command/step
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread: threading.Thread | None = None
+        self._ended = False  # the loop returned: nothing is served any more
+
+    # ------------------------------------------------------------------ the loop's thread
+    def run(self) -> None:
+        """The step loop, in the calling thread, until request_stop() (which cancels whatever
+        is in flight)."""
+        try:
+            self._run()
+        finally:
+            self._ended = True
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
+        """run() in a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="specdec-engine", daemon=True)
         self._thread.start()
 
     def submit(self, request: Request, lane: str, listener: Callable[[Update], None]) -> None:
@@ -74,19 +90,24 @@ class EngineWorker:
         """Withdraws a request if it has not finished (its listener gets a "cancelled" Result)."""
         self._commands.put(("cancel", request_id))
 
-    def stop(self, timeout: float | None = None) -> bool:
-        """Cancels whatever is in flight and ends the thread -> whether it ended in time."""
-        if not self._thread.is_alive():
-            return True
+    def request_stop(self) -> None:
+        """Asks the loop to cancel whatever is in flight and return (without waiting)."""
         self._commands.put(_STOP)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """request_stop(), then waits for start()'s thread -> whether it ended in time."""
+        self.request_stop()
+        if self._thread is None:
+            return self._ended
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """Whether requests are served: the loop runs, or will (it has not ended)."""
+        return not self._ended
 
-    # ------------------------------------------------------------------ the worker thread
+    # ------------------------------------------------------------------ the loop
     def _run(self):
         try:
             while True:
@@ -109,8 +130,9 @@ class EngineWorker:
                         self._step(lane, engine)
                 self._publish()
         except BaseException:  # a bug here must not leave every client waiting forever
-            log.error("the engine thread failed:\n%s", traceback.format_exc())
-            self._fail_all("the engine thread failed; see the server log", 500)
+            log.error("the engine loop failed:\n%s", traceback.format_exc())
+            self._ended = True
+            self._fail_all("the engine loop failed; see the server log", 500)
             raise
 
     def _run_command(self, command):
