@@ -1,7 +1,7 @@
 """`specdec serve`: an OpenAI-compatible HTTP server on the online engine (docs/serving.md).
 
     protocol.py     request bodies -> checked GenerationRequests (or OpenAI-style 4xx errors)
-    worker.py       the engines' step loop in its own thread; submit / cancel through a queue
+    worker.py       the engines' step loop, alone in its thread; submit / cancel through a queue
     app.py          the ASGI app (Starlette): routes, admission, streaming, disconnects
     responses.py    OpenAI response bodies and server-sent event chunks
     text_stream.py  a reply's text as its tokens arrive (deltas that are never taken back)
