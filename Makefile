@@ -21,7 +21,7 @@ VENV := .venv
 TORCH := torch==2.13.0
 PROMPT := What is speculative decoding?
 PYTEST_ARGS :=
-TEST_EXTRAS := [triton,hf,test,train,bench,vllm]
+TEST_EXTRAS := [triton,hf,test,train,bench,serve,vllm]
 # Keep in step with the `test` / `dev` extras (pyproject.toml) and .pre-commit-config.yaml.
 LINT_TOOLS := ruff~=0.17.6 clang-format~=23.1
 

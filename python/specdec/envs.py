@@ -41,6 +41,11 @@ SPECDEC_LAYER_OPS          Whether the decode engine runs the RMSNorm, RoPE and 
                            of bf16 / fp16 models on CPU as specdec's C++ layer ops
                            (``specdec.cpu.layer_ops``): ``1`` on, ``0`` off, ``auto``
                            (default): on for CPU bf16 / fp16 weights.
+SPECDEC_API_KEY            ``specdec serve``'s API key when ``--api-key`` is not given: clients
+                           must send ``Authorization: Bearer KEY`` on ``/v1/*``.
+SPECDEC_VLLM_SAMPLER       ``1``: vLLM's rejection sampling through
+                           ``torch.ops.specdec.tree_rejection_sample`` in every vLLM engine
+                           (``specdec.integrations.vllm``; per engine: ``sampler="specdec"``).
 SPECDEC_CACHE_DIR          Where ``specdec`` caches the converted default model (default
                            ``~/.cache/specdec``).
 =========================  ==========================================================
@@ -52,7 +57,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from specdec_kernels.envs import parse_count_or_auto, parse_str, parse_tristate
+from specdec_kernels.envs import parse_count_or_auto, parse_flag, parse_str, parse_tristate
 
 if TYPE_CHECKING:
     SPECDEC_COMPILE: bool | str = "auto"
@@ -62,6 +67,8 @@ if TYPE_CHECKING:
     SPECDEC_TILED_ROWS: int | str = "auto"
     SPECDEC_HUGE_PAGES: bool | str = "auto"
     SPECDEC_CACHE_DIR: str = "~/.cache/specdec"
+    SPECDEC_API_KEY: str | None = None
+    SPECDEC_VLLM_SAMPLER: bool = False
 
 environment_variables: dict[str, Callable[[], Any]] = {
     # The verify step through torch.compile (specdec.runtime.compiled_step).
@@ -72,6 +79,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "SPECDEC_LAYER_OPS": lambda: parse_tristate("SPECDEC_LAYER_OPS"),
     "SPECDEC_TILED_ROWS": lambda: parse_count_or_auto("SPECDEC_TILED_ROWS"),
     "SPECDEC_HUGE_PAGES": lambda: parse_tristate("SPECDEC_HUGE_PAGES"),
+    # The server (specdec serve) and the vLLM plugin.
+    "SPECDEC_API_KEY": lambda: parse_str("SPECDEC_API_KEY"),
+    "SPECDEC_VLLM_SAMPLER": lambda: parse_flag("SPECDEC_VLLM_SAMPLER"),
     # Where the converted default model is cached (specdec.models.loader).
     "SPECDEC_CACHE_DIR": lambda: parse_str(
         "SPECDEC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec")

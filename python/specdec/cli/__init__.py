@@ -34,6 +34,10 @@ SUBCOMMANDS = {
         "specdec.cli.export_head",
         "write a head (EAGLE-2/3, Medusa) as a checkpoint another engine loads (vLLM)",
     ),
+    "serve": (
+        "specdec.cli.serve",
+        "an OpenAI-compatible HTTP server (chat / completions, streaming) on the online engine",
+    ),
 }
 
 

@@ -81,3 +81,14 @@ def add_drafter_arguments(p, default_method: str = DEFAULT_METHOD):
         metavar="N",
         help="ngram: shortest suffix n-gram looked up (default %(default)s)",
     )
+
+
+def add_tree_argument(p):
+    """--tree: the drafters' tree (generate, serve)."""
+    p.add_argument(
+        "--tree",
+        default="adaptive",
+        help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default "
+        "%(default)s: depth and size chosen each step from this machine's measured costs); for "
+        "ngram, TOPK bounds the branches (earlier occurrences of the matched n-gram)",
+    )

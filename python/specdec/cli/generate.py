@@ -25,6 +25,7 @@ import sys
 from specdec.cli.common import (
     add_drafter_arguments,
     add_model_placement_arguments,
+    add_tree_argument,
     load_model_from_args,
 )
 from specdec.drafters.choice import DrafterChoice
@@ -46,14 +47,7 @@ def add_arguments(p: argparse.ArgumentParser):
     )
     add_model_placement_arguments(p)
     add_drafter_arguments(p)
-    p.add_argument(
-        "--tree",
-        default="adaptive",
-        help="chain:K, dynamic:DEPTH,TOPK,TOTAL or adaptive[:DEPTH,TOPK,TOTAL] (default "
-        "%(default)s: "
-        "depth and size chosen each step from this machine's measured costs); for ngram, TOPK "
-        "bounds the branches (earlier occurrences of the matched n-gram)",
-    )
+    add_tree_argument(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")

@@ -9,12 +9,10 @@ SPECDEC_VLLM_SAMPLER=1 in the environment turns the sampler on as {"sampler": "s
 (for a `vllm serve` started without specdec's options, say).
 """
 
-import os
-
+from specdec import envs
 from specdec.errors import InvalidRequestError
 
 KEY = "specdec"
-SAMPLER_ENV = "SPECDEC_VLLM_SAMPLER"
 KNOWN = {"sampler", "ngram_max", "ngram_min"}
 
 
@@ -48,6 +46,6 @@ def specdec_options(vllm_config) -> dict:
 
 def sampler_enabled(vllm_config) -> bool:
     """Whether the engine's rejection sampling goes through specdec (option or environment)."""
-    if os.environ.get(SAMPLER_ENV, "0") not in ("", "0"):
+    if envs.SPECDEC_VLLM_SAMPLER:
         return True
     return specdec_options(vllm_config).get("sampler") == "specdec"
