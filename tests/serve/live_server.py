@@ -56,6 +56,7 @@ class ServerProcess:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=tempfile.gettempdir(),  # `-m` puts the cwd first: not the checkout's sources
         )
         self.url = self._wait_ready()
         self.base_url = self.url + "/v1"

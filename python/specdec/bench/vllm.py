@@ -187,15 +187,27 @@ def _speculative_config(row, depth: int, model_path: str):
 SAMPLER_MARK = "rejection sampling through tree_rejection_sample"  # plugin.py logs it
 
 
+def _child_env() -> dict:
+    """os.environ with PYTHONPATH's entries made absolute: the children run in a temporary
+    directory (a relative entry such as `python` would no longer resolve)."""
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    paths = os.pathsep.join(os.path.abspath(p) for p in entries if p)
+    return {**os.environ, "PYTHONPATH": paths}
+
+
 def run_engine_process(setting: dict) -> dict:
     """run_engine(setting) in a child process (OMP_NUM_THREADS = setting["threads"]) -> its
     result, with "specdec_sampler": whether a worker logged that it samples through specdec's
     op; a failed child is a RuntimeError carrying the end of its log."""
+    setting = dict(setting, model_dir=os.path.abspath(setting["model_dir"]))
+    spec = setting.get("speculative_config")
+    if spec and "model" in spec and os.path.exists(spec["model"]):
+        setting["speculative_config"] = dict(spec, model=os.path.abspath(spec["model"]))
     with tempfile.TemporaryDirectory(prefix="specdec-vllm-bench-") as tmp:
         row, out, log = (os.path.join(tmp, n) for n in ("row.json", "out.json", "log.txt"))
         with open(row, "w") as f:
             json.dump(setting, f)
-        env = {**os.environ, "OMP_NUM_THREADS": str(setting["threads"])}
+        env = {**_child_env(), "OMP_NUM_THREADS": str(setting["threads"])}
         with open(log, "w") as f:
             proc = subprocess.run(
                 [sys.executable, "-m", __name__, "engine", row, out],
@@ -203,6 +215,7 @@ def run_engine_process(setting: dict) -> dict:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 timeout=ENGINE_TIMEOUT_S,
+                cwd=tmp,  # `-m` puts the cwd first: a checkout's unbuilt sources would shadow
             )
         if proc.returncode != 0 or not os.path.isfile(out):
             with open(log) as f:
@@ -436,7 +449,9 @@ def run_sampler_timing_process(concurrency: int, depth: int, setting: dict) -> d
             [sys.executable, "-m", __name__, "sampler", row, out],
             capture_output=True,
             text=True,
+            env=_child_env(),
             timeout=ENGINE_TIMEOUT_S,
+            cwd=tmp,  # as in run_engine_process
         )
         if proc.returncode != 0:
             raise RuntimeError(f"the sampler timing process failed:\n{proc.stderr[-3000:]}")
