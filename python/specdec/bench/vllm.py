@@ -590,10 +590,10 @@ def summary(result: dict) -> str:
         + f"x{c['concurrency']} tok/s".rjust(12),
     ]
     for name, row in vllm["batch1"].items():
-        al = row.get("vllm_acceptance_length")
+        al, same = row.get("vllm_acceptance_length"), row.get("same_tokens_as_plain")
         lines.append(
             f"{name:<34}{row['tokens_per_s']:>10.2f}{row['tokens_per_forward']:>9.3f}"
-            f"{'-' if al is None else f'{al:.3f}':>9}{row.get('same_tokens_as_plain', '-')!s:>7}"
+            f"{'-' if al is None else f'{al:.3f}':>9}{'-' if same is None else f'{same:.0%}':>7}"
             f"{vllm['concurrent'][name]['tokens_per_s']:>12.2f}"
         )
     for name, row in vllm["specdec_chains"].items():
