@@ -48,6 +48,12 @@ SPECDEC_VLLM_SAMPLER       ``1``: vLLM's rejection sampling through
                            (``specdec.integrations.vllm``; per engine: ``sampler="specdec"``).
 SPECDEC_CACHE_DIR          Where ``specdec`` caches the converted default model (default
                            ``~/.cache/specdec``).
+ONEDNN_PRIMITIVE_CACHE_    oneDNN's own: how many compiled kernels (one per matrix shape
+CAPACITY                   it ran: every prompt length a prefill met) it keeps. Default
+                           1024; ``specdec serve`` sets 128 when unset
+                           (``bound_onednn_primitive_cache``): at 1024 a server's memory
+                           grew by ~0.65 MB per new shape for its first hours
+                           (docs/serving.md, Soak), and 128 cost no measurable time.
 =========================  ==========================================================
 """
 
@@ -87,6 +93,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
         "SPECDEC_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "specdec")
     ),
 }
+
+
+SERVE_ONEDNN_PRIMITIVE_CACHE = 128
+
+
+def bound_onednn_primitive_cache(capacity: int = SERVE_ONEDNN_PRIMITIVE_CACHE) -> None:
+    """Caps oneDNN's primitive cache at `capacity` unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is
+    set. oneDNN reads the variable when it first builds a kernel: call before any."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
 
 def __getattr__(name: str) -> Any:

@@ -118,6 +118,8 @@ def run(args) -> int:
     api_key = args.api_key if args.api_key is not None else envs.SPECDEC_API_KEY
     if api_key is not None and not api_key.strip():
         raise InvalidRequestError("--api-key must not be empty")
+    # a long-running process meets many prompt lengths: keep oneDNN's kernel cache small
+    envs.bound_onednn_primitive_cache()
     sock = _listening_socket(args.host, args.port)
     # SIGTERM before the server runs (the model loading): nothing is in flight, stop at once
     previous = signal.signal(signal.SIGTERM, _terminate)
