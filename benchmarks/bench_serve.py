@@ -19,10 +19,10 @@ Servers (--servers, default all; a server whose software is missing is reported 
     llamacpp-q4_1        the same on the shipped Q4_1 GGUF
 
     # the full comparison (hours; on a quiet machine):
-    PYTHONPATH=.:python python benchmarks/bench_serve.py \\
+    .venv/bin/python benchmarks/bench_serve.py \\
         --json benchmarks/results/serve_comparison.json
     # a smoke test (minutes): two short points per server
-    PYTHONPATH=.:python python benchmarks/bench_serve.py --quick --json /tmp/serve_quick.json
+    .venv/bin/python benchmarks/bench_serve.py --quick --json /tmp/serve_quick.json
 
 Writes one JSON (machine, date, commit, load average per point, every row, the goal checks)
 and prints the table. Server logs go beside the JSON (<json>.logs/).
@@ -176,7 +176,6 @@ def server_command(name, opts, port, files):
     env = dict(os.environ, OMP_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     maxc = max(opts.concurrency)
     if name.startswith("specdec"):
-        env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "python")])
         method = ["--method", "plain"] if name == "specdec-plain" else [
             "--method", "eagle+ngram", "--tree", "adaptive",
         ]  # fmt: skip

@@ -6,7 +6,7 @@ work) and then in a fresh thread: a bf16 [1, 576] x [576, 1536] linear (the mode
 shape at batch 1), and plain greedy decoding of one request through Engine.generate (tokens
 per second). Prints the medians over the rounds and the load average.
 
-    PYTHONPATH=.:python python benchmarks/bench_serve_threads.py --rounds 5
+    .venv/bin/python benchmarks/bench_serve_threads.py --rounds 5
 """
 
 import argparse

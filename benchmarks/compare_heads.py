@@ -3,7 +3,7 @@ training-time-test depth on the held-out shards of a data directory, and on MT-b
 turns (never trained on) the tokens per target forward and acceptance by depth of each head
 in our engine (bf16 target, batch 1, one tree), greedy and sampled.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=.:python python benchmarks/compare_heads.py \\
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compare_heads.py \\
         --heads eagle2_old=python/specdec/heads/smollm2-135m-instruct,eagle3=OUT \\
         --data-dir DATA --json benchmarks/out/heads.json
 """

@@ -15,9 +15,9 @@
     them (after a forward has streamed the weights, a small torch call costs 3-5x its warm
     time on a CPU).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=.:python python benchmarks/profile_step.py --part decode
-    PYTHONPATH=.:python python benchmarks/profile_step.py --part draft --threads 1
-    PYTHONPATH=.:python python benchmarks/profile_step.py --part engine --tree adaptive --threads 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py --part decode
+    .venv/bin/python benchmarks/profile_step.py --part draft --threads 1
+    .venv/bin/python benchmarks/profile_step.py --part engine --tree adaptive --threads 2
 """
 
 import argparse

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -44,12 +45,21 @@ class ServerProcess:
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         self._log = open(log_path, "w")
         self.started = time.monotonic()
+        # The server starts outside the checkout (`-m` puts the cwd first on sys.path, and the
+        # checkout's unbuilt specdec_kernels would shadow the installed one); a PYTHONPATH the
+        # caller set, relative to here, is made absolute so that it still means the same.
+        env = dict(os.environ if env is None else env)
+        if env.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.pathsep.join(
+                os.path.abspath(p) for p in env["PYTHONPATH"].split(os.pathsep) if p
+            )
         # its own process group: SIGTERM reaches the server, not this script
         self.proc = subprocess.Popen(
             argv,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=tempfile.gettempdir(),
             start_new_session=True,
         )
 
