@@ -28,6 +28,7 @@ if _ROOT not in sys.path:
 
 from specdec_kernels.testing import (  # noqa: E402,F401  (re-exported for the scripts)
     _is_cuda,
+    cpu_description,
     free_device_bytes,
     l2_bytes,
     measure_copy_bandwidth,
@@ -58,17 +59,6 @@ def print_table(rows, columns):
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _git(*args):
     try:
         out = subprocess.run(
@@ -95,7 +85,7 @@ def machine_info(device=None):
     versions."""
     info = {
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_description(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_1_5_15min": _load_average(),

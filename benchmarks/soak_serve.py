@@ -13,10 +13,9 @@ up, every good request is answered, resident memory stays within --rss-tolerance
 post-warm-up level (the first --warm-up seconds excluded), and once the load stops /metrics
 shows no cache row in use and nothing waiting (no request leaked). docs/serving.md, "Soak".
 
-    # 10 minutes at 1.06 requests/s (docs/serving.md, Soak results):
+    # 10 minutes at a fixed rate (docs/serving.md, Soak results):
     .venv/bin/python benchmarks/soak_serve.py --duration 600 --rate 1.06
-    # 80% of the closed-loop rate bench_serve.py measured for eagle+ngram (an overestimate of
-    # what the server sustains with open-loop arrivals: docs/serving.md, Soak results):
+    # 80% of the closed-loop rate bench_serve.py measured for eagle+ngram on this machine:
     .venv/bin/python benchmarks/soak_serve.py --duration 600 \\
         --from-bench benchmarks/out/serve.json --json benchmarks/out/soak.json
     # a one-minute check at a fixed rate:

@@ -17,6 +17,7 @@ while the GPU waits, so the events measure device time, not Python / launch over
 from __future__ import annotations
 
 import math
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -274,6 +275,33 @@ def time_fn(
         call(i)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+# The instruction sets CPU kernels' speed depends on (docs/cpu-decode-path.md): recorded beside
+# every figure, as one "AMD EPYC" name covers several generations.
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_description() -> str:
+    """The CPU as the figures need it: model name, family / model (one "AMD EPYC" name covers
+    several generations) and the vector instruction sets, e.g.
+    "AMD EPYC (family 23, model 49; avx2)"."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = ", ".join(f for f in _ISA_FLAGS if f in flags) or "no avx2"
+    family, model = fields.get("cpu family"), fields.get("model")
+    where = f"family {family}, model {model}; " if family and model else ""
+    return f"{name} ({where}{isa})"
 
 
 def l2_bytes(device: Device) -> int | None:

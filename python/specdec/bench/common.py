@@ -3,7 +3,6 @@ the engine warm-up before timing."""
 
 import datetime
 import os
-import platform
 import subprocess
 
 
@@ -11,14 +10,9 @@ def machine_info(device) -> dict:
     """Where and when the figures come from: CPU / GPU model, date, commit, versions."""
     import torch
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
+    from specdec_kernels.testing import cpu_description
+
+    cpu = cpu_description()
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
