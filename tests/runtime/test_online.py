@@ -62,7 +62,10 @@ def requests(params=None):
 
 def serve(eng, reqs, pattern):
     """Submits reqs by `pattern` and steps until all are done -> {id: token_ids}, checking the
-    streams: step()'s dict, each handle's new_tokens() and result.token_ids agree."""
+    streams: step()'s dict, each handle's new_tokens() and result.token_ids agree. A pattern
+    ending in "+admit" calls admit() before each step(), as the server does: each request's
+    first token comes from admit(), alone."""
+    pattern, admit_first = pattern.removesuffix("+admit"), pattern.endswith("+admit")
     if pattern == "reverse":
         reqs = reqs[::-1]
     handles, steps_gained, polled = {}, {}, {}
@@ -77,13 +80,17 @@ def serve(eng, reqs, pattern):
             batch, pending = pending[:n], pending[n:]
         for r in batch:
             handles[r.id] = eng.submit(r)
+        if admit_first:
+            for rid, toks in eng.admit().items():
+                assert rid not in steps_gained and len(toks) == 1, (rid, toks)
+                steps_gained[rid] = list(toks)
         for rid, toks in eng.step().items():
             assert toks, "a request appears only when it gained tokens"
             steps_gained.setdefault(rid, []).extend(toks)
         for rid, h in handles.items():
             polled.setdefault(rid, []).extend(h.new_tokens())
         nsteps += 1
-    assert eng.step() == {} and not eng.has_work
+    assert eng.step() == {} and eng.admit() == {} and not eng.has_work
     out = {}
     for rid, h in handles.items():
         assert h.done and h.result.request_id == rid
@@ -99,7 +106,13 @@ def test_greedy_independent_of_arrival_and_batch(model, contextual_model, kind):
     want = {r.request_id: r.token_ids for r in reference}
     for batch_size in (1, 3):
         eng = make_engine(m, kind, batch_size)
-        for pattern in ("all", "one-per-step", "reverse", "two-then-one-every-3"):
+        for pattern in (
+            "all",
+            "one-per-step",
+            "reverse",
+            "two-then-one-every-3",
+            "two-then-one-every-3+admit",
+        ):
             assert serve(eng, requests(), pattern) == want, (batch_size, pattern)
         results, _ = eng.generate(requests())  # generate() on the same engine afterwards
         assert {r.request_id: r.token_ids for r in results} == want
@@ -117,6 +130,7 @@ def test_sampled_seed_reproducible_regardless_of_arrival(model, kind):
         (3, "reverse"),
         (3, "one-per-step"),
         (2, "two-then-one-every-3"),
+        (2, "two-then-one-every-3+admit"),
     ):
         got = serve(make_engine(model, kind, batch_size), requests(params), pattern)
         want = want or got

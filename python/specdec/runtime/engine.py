@@ -347,6 +347,16 @@ class Engine:
             gained.setdefault(s.req.id, []).extend(tokens)
         return gained
 
+    def admit(self) -> dict:
+        """The first half of step() on its own -> {request_id: [its first token]}: queued
+        requests take the free slots (prompt forward, first token) and nothing else runs. A
+        server calls it before step() to send first tokens without waiting for the verify
+        round of the whole batch (docs/serving.md, Results); step() then finds them admitted.
+        Requests that finished with their first token are included, as in step()."""
+        events: list[tuple[_Seq, list[int]]] = []
+        self._admit(events)
+        return {s.req.id: tokens for s, tokens in events}
+
     @contextmanager
     def timing(self) -> Iterator[Stats]:
         """`with engine.timing() as t:` -> a Stats whose time_s collects the time split
@@ -429,12 +439,11 @@ class Engine:
         self._queue.append(s)
         return s.handle
 
-    def _advance(self) -> list:
-        """One engine step -> [(seq, tokens it gained)] in order (a request appears at most
-        twice: its first token, then its first verify step)."""
-        events: list[tuple[_Seq, list[int]]] = []
-        if not self.has_work:
-            return events
+    def _admit(self, events: list) -> None:
+        """Queued requests take the free slots: prompt forward and first token (appended to
+        events); requests finished by their first token leave again."""
+        if not (self._free and self._queue):
+            return
         timers = list(self._timers)
         with torch.inference_mode():
             new = []
@@ -442,14 +451,24 @@ class Engine:
                 s = self._queue.popleft()
                 s.slot = heapq.heappop(self._free)  # the lowest free slot
                 new.append(s)
-            if new:
-                first = self._prefill(new, timers + [s.stats for s in new])
-                for s, tok in zip(new, first.tolist()):
-                    s.first_token_time = time.perf_counter()
-                    if s.error is None:
-                        self._emit(s, [tok], events)
-                self._active += new
+            first = self._prefill(new, timers + [s.stats for s in new])
+            for s, tok in zip(new, first.tolist()):
+                s.first_token_time = time.perf_counter()
+                if s.error is None:
+                    self._emit(s, [tok], events)
+            self._active += new
             self._retire()
+
+    def _advance(self) -> list:
+        """One engine step -> [(seq, tokens it gained)] in order (a request appears at most
+        twice: its first token, then its first verify step)."""
+        events: list[tuple[_Seq, list[int]]] = []
+        if not self.has_work:
+            return events
+        self._admit(events)
+        self._retire()
+        timers = list(self._timers)
+        with torch.inference_mode():
             if self._active:
                 active = self._active
                 out_tokens, num_accepted = self._verify_step(

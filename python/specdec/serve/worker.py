@@ -160,6 +160,11 @@ class EngineWorker:
         start = time.perf_counter()
         rows = engine.num_active + min(engine.num_queued, engine.batch_size - engine.num_active)
         try:
+            # First tokens go out as soon as their prefill is done, not after the verify round
+            # of the whole batch that step() runs next.
+            admitted = engine.admit()
+            if admitted or self._finished:
+                self._deliver_finished(admitted)
             gained = engine.step()
         except Exception as e:
             log.error("engine step failed:\n%s", traceback.format_exc())
