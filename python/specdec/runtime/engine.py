@@ -342,10 +342,7 @@ class Engine:
         does not depend on when it was submitted or which requests shared its steps; sampled
         output is reproducible from its seed for a fixed tree shape (in adaptive mode the tree
         size follows the batch)."""
-        gained: dict[object, list[int]] = {}
-        for s, tokens in self._advance():
-            gained.setdefault(s.req.id, []).extend(tokens)
-        return gained
+        return _by_request(self._advance())
 
     def admit(self) -> dict:
         """The first half of step() on its own -> {request_id: [its first token]}: queued
@@ -355,7 +352,7 @@ class Engine:
         Requests that finished with their first token are included, as in step()."""
         events: list[tuple[_Seq, list[int]]] = []
         self._admit(events)
-        return {s.req.id: tokens for s, tokens in events}
+        return _by_request(events)
 
     @contextmanager
     def timing(self) -> Iterator[Stats]:
@@ -465,8 +462,7 @@ class Engine:
         events: list[tuple[_Seq, list[int]]] = []
         if not self.has_work:
             return events
-        self._admit(events)
-        self._retire()
+        self._admit(events)  # retires requests finished by their first token
         timers = list(self._timers)
         with torch.inference_mode():
             if self._active:
@@ -732,6 +728,14 @@ class Engine:
                 inert.new_full((1, T), -1),
             )
         return tuple(torch.cat(parts) for parts in zip(*rows))
+
+
+def _by_request(events: list) -> dict:
+    """[(seq, tokens)] in order -> {request_id: [tokens]} (a request may appear twice)."""
+    gained: dict[object, list[int]] = {}
+    for s, tokens in events:
+        gained.setdefault(s.req.id, []).extend(tokens)
+    return gained
 
 
 def join_errors(messages: list, limit: int = 3) -> str:

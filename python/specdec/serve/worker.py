@@ -162,9 +162,7 @@ class EngineWorker:
         try:
             # First tokens go out as soon as their prefill is done, not after the verify round
             # of the whole batch that step() runs next.
-            admitted = engine.admit()
-            if admitted or self._finished:
-                self._deliver_finished(admitted)
+            self._deliver_finished(engine.admit())
             gained = engine.step()
         except Exception as e:
             log.error("engine step failed:\n%s", traceback.format_exc())
