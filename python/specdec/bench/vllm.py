@@ -43,6 +43,8 @@ VLLM_ROWS = {
     "vllm_medusa": ("specdec", "medusa", {}),
     "vllm_specdec_ngram": ("specdec", "ngram", {}),
     "vllm_eagle_specdec_sampler": ("specdec", "eagle", {"sampler": "specdec"}),
+    # n-gram tries of 8 nodes verified inside vLLM's step (integrations/vllm/trees.py)
+    "vllm_specdec_ngram_tree": ("specdec", "ngram", {"tree": True, "num_speculative_tokens": 8}),
 }
 KV_CACHE_BYTES = 1 << 30  # vLLM's CPU KV cache; its default reserves 92 % of the memory
 ENGINE_TIMEOUT_S = 1800
@@ -177,7 +179,7 @@ def _speculative_config(row, depth: int, model_path: str):
     from specdec.integrations.vllm.config import speculative_config
 
     _, method, options = row
-    options = dict(options, num_speculative_tokens=depth)
+    options = {"num_speculative_tokens": depth, **options}
     if method != "ngram":
         options["model"] = model_path
     return speculative_config(method, **options)
@@ -280,7 +282,9 @@ def run_engine(setting: dict) -> dict:
         return {"batch1": batch1, "concurrent": None}
     many = [prompts[i % len(prompts)] for i in range(setting["concurrency"])]
     outs, elapsed, counts = timed(many)
-    return {"batch1": batch1, "concurrent": _row(outs, elapsed, counts)}
+    concurrent = _row(outs, elapsed, counts)
+    concurrent["outputs"] = outs
+    return {"batch1": batch1, "concurrent": concurrent}
 
 
 def _counters(llm) -> dict:
@@ -314,15 +318,16 @@ def _row(outputs: list, elapsed: float, counts: dict) -> dict:
 
 
 def _mark_exact(vllm: dict) -> None:
-    """same_tokens_as_plain of each batch-1 row: the share of prompts whose greedy output
-    equals vLLM plain's (when vllm_plain ran); the outputs are dropped."""
-    rows = vllm["batch1"]
-    plain = rows.get("vllm_plain", {}).get("outputs")
-    for row in rows.values():
-        outputs = row.pop("outputs")
-        if plain is not None:
-            row["same_tokens_as_plain"] = sum(a == b for a, b in zip(outputs, plain)) / len(plain)
-            row["plain_reference"] = "vllm_plain"
+    """same_tokens_as_plain of each row (batch 1, concurrent): the share of prompts whose
+    greedy output equals vLLM plain's (when vllm_plain ran); the outputs are dropped."""
+    for rows in (vllm["batch1"], vllm["concurrent"]):
+        plain = (rows.get("vllm_plain") or {}).get("outputs")
+        for row in rows.values():
+            outputs = (row or {}).pop("outputs", None)
+            if plain is not None and outputs is not None:
+                same = sum(a == b for a, b in zip(outputs, plain)) / len(plain)
+                row["same_tokens_as_plain"] = same
+                row["plain_reference"] = "vllm_plain"
 
 
 # ---------------------------------------------------------------------- specdec's side
