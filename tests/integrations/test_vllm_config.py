@@ -58,7 +58,7 @@ def _head_copy(tmp_path) -> str:
     "method, options, message",
     [
         ("plain", {}, "without a speculative_config"),
-        ("eagle+ngram", {}, "verifies chains only"),
+        ("eagle+ngram", {}, "not hosted inside vLLM yet"),
         ("draft", {}, "draft_model"),
         ("lookahead", {}, "unknown method 'lookahead'"),
         ("eagle", {"tree": "adaptive"}, "unknown option"),

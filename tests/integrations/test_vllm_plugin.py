@@ -34,7 +34,9 @@ def test_options_move_to_additional_config():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"tree": "adaptive"}, "unknown option"),
+        ({"trees": True}, "unknown option"),
+        ({"tree": "adaptive", "sampler": "specdec"}, "must be true or false"),
+        ({"tree": True}, "trees need sampler 'specdec'"),
         ({"sampler": "fast"}, "'vllm' or 'specdec'"),
         ("specdec", "must be a dict"),
     ],

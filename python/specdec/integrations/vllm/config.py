@@ -41,15 +41,26 @@ DEFAULT_DEPTH = 4
 HEAD_METHODS = ("eagle", "eagle3", "medusa")
 METHODS = HEAD_METHODS + ("ngram",)
 NGRAM_PROPOSER = "specdec.integrations.vllm.proposers.NgramProposer"
+NGRAM_TREE_PROPOSER = "specdec.integrations.vllm.trees.NgramTreeProposer"
+DEFAULT_TREE_NODES = 8  # drafted nodes below the root (vLLM's num_speculative_tokens)
 _OPTIONS = {
     "eagle": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
     "eagle3": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
     "medusa": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
-    "ngram": {"num_speculative_tokens", "ngram_max", "ngram_min", "sampler"},
+    "ngram": {
+        "num_speculative_tokens",
+        "ngram_max",
+        "ngram_min",
+        "sampler",
+        "tree",
+        "tree_branches",
+        "tree_depth",
+    },
 }
 _NOT_HOSTED = {
     "plain": "plain decoding is vLLM without a speculative_config (pass None)",
-    "eagle+ngram": "the merged eagle+ngram drafter drafts trees; vLLM 0.32 verifies chains only",
+    "eagle+ngram": "the merged eagle+ngram drafter's trees are not hosted inside vLLM yet; "
+    "n-gram trees are: speculative_config('ngram', tree=True)",
     "draft": "use vLLM's own draft_model method with the draft checkpoint directory",
 }
 
@@ -91,11 +102,29 @@ def speculative_config(method: str, **options) -> dict:
             raise InvalidRequestError(
                 f"speculative_config: ngram_min ({lo}) must be <= ngram_max ({hi})"
             )
+        tree = options.get("tree", False)
+        if tree not in (False, True, "static"):
+            raise InvalidRequestError(
+                f"speculative_config('ngram'): tree must be True / 'static' (a trie of "
+                f"num_speculative_tokens nodes) or False, got {tree!r}; adaptive trees are "
+                "not hosted inside vLLM yet (docs/integration.md, Trees inside vLLM)"
+            )
         config = {
             "method": "custom_class",
-            "model": NGRAM_PROPOSER,
-            "num_speculative_tokens": depth or DEFAULT_DEPTH,
+            "model": NGRAM_TREE_PROPOSER if tree else NGRAM_PROPOSER,
+            "num_speculative_tokens": depth or (DEFAULT_TREE_NODES if tree else DEFAULT_DEPTH),
         }
+        if tree:
+            if sampler == "vllm" and "sampler" in options:
+                raise InvalidRequestError(
+                    "speculative_config('ngram'): trees need sampler='specdec' (vLLM's "
+                    "rejection sampler verifies chains only)"
+                )
+            specdec_options.update(tree=True, sampler="specdec")
+            for name in ("tree_branches", "tree_depth"):
+                if name in options:
+                    _check_positive_int(name, options[name])
+                    specdec_options[name] = options[name]
     else:
         config = _head_config(method, depth, options)
     if specdec_options:

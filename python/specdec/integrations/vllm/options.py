@@ -4,6 +4,8 @@ hands to every worker with the rest of its config.
 
     {"sampler": "specdec"}          rejection sampling through tree_rejection_sample
     {"ngram_max": 4, "ngram_min": 1} the n-gram proposer's match lengths
+    {"tree": True, "tree_branches": 3, "tree_depth": 8}
+                                    n-gram trees verified inside vLLM's step (trees.py)
 
 SPECDEC_VLLM_SAMPLER=1 in the environment turns the sampler on as {"sampler": "specdec"} does
 (for a `vllm serve` started without specdec's options, say).
@@ -13,7 +15,7 @@ from specdec import envs
 from specdec.errors import InvalidRequestError
 
 KEY = "specdec"
-KNOWN = {"sampler", "ngram_max", "ngram_min"}
+KNOWN = {"sampler", "ngram_max", "ngram_min", "tree", "tree_branches", "tree_depth"}
 
 
 def check_options(options) -> dict:
@@ -33,6 +35,15 @@ def check_options(options) -> dict:
         raise InvalidRequestError(
             f"speculative_config['{KEY}']['sampler'] must be 'vllm' or 'specdec', got "
             f"{options['sampler']!r}"
+        )
+    if options.get("tree", False) not in (True, False):
+        raise InvalidRequestError(
+            f"speculative_config['{KEY}']['tree'] must be true or false, got {options['tree']!r}"
+        )
+    if options.get("tree") and options.get("sampler") != "specdec":
+        raise InvalidRequestError(
+            f"speculative_config['{KEY}']: trees need sampler 'specdec' (vLLM's own rejection "
+            "sampler verifies chains only)"
         )
     return options
 

@@ -17,8 +17,10 @@ unknown keys):
   routing happens at call time, after the CPU platform has registered its own kernels, so
   nothing overwrites it.
 
-Tree speculation inside vLLM's step (an attention backend over specdec's paged layout, tree
-drafting, tree_verify / compact_kv in the step) will hook in here too.
+- Trees: an engine whose config asks for trees (option "tree") gets specdec's attention
+  backend (attention.py: tree_verify over vLLM's paged cache) from the CPU platform's backend
+  selection, and its model runner's input preparation, sampling and drafting hooks
+  (trees.py: tree positions, tree rejection sampling, compact_kv).
 """
 
 import logging
@@ -45,6 +47,7 @@ def register() -> None:
         return
     _hook_speculative_options()
     _hook_rejection_sampler()
+    _hook_trees()
 
 
 def _hook_speculative_options() -> None:
@@ -102,6 +105,45 @@ def _hook_rejection_sampler() -> None:
     setattr(__init__, _MARK, True)
     RejectionSampler.__init__ = __init__
     RejectionSampler.forward = forward_
+
+
+def _hook_trees() -> None:
+    """Engines whose config asks for trees (options "tree") get the tree attention backend
+    (attention.py) and the runner hooks (trees.py); others are untouched."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    from specdec.integrations.vllm import trees
+
+    trees.install()
+    select = CpuPlatform.get_attn_backend_cls
+    if getattr(select, _MARK, False):
+        return
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        config = _current_config()
+        if config is not None and trees.trees_enabled(config):
+            from specdec.integrations.vllm.attention import BACKEND_PATH
+
+            logger.info("specdec: tree attention backend (tree_verify over the paged cache)")
+            return BACKEND_PATH
+        return select.__func__(cls, selected_backend, attn_selector_config, num_heads)
+
+    setattr(get_attn_backend_cls, _MARK, True)
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+    # vLLM caches its selection per layer signature, not per engine: a tree engine's selection
+    # skips the cache (so one process can hold tree and plain engines)
+    from vllm.v1.attention import selector
+
+    cached = selector._cached_get_attn_backend
+
+    def _cached_get_attn_backend(*args, **kwargs):
+        config = _current_config()
+        if config is not None and trees.trees_enabled(config):
+            return cached.__wrapped__(*args, **kwargs)
+        return cached(*args, **kwargs)
+
+    selector._cached_get_attn_backend = _cached_get_attn_backend
 
 
 def _current_config():

@@ -86,8 +86,12 @@ def rejection_sample(
         if sampling_metadata.all_greedy
         else (sampling_metadata.temperature != 0).to(torch.float32)  # 0: vLLM's greedy mark
     )
+    from specdec.integrations.vllm import trees
+
+    tree_parents = trees.tree_batch_parents(num_draft_tokens, K + 1)
     uniform = (
-        draft_probs is None
+        tree_parents is None
+        and draft_probs is None
         and K > 0
         and all(n == K for n in num_draft_tokens)
         and target_logits.is_contiguous()
@@ -112,7 +116,9 @@ def rejection_sample(
     tree = chain_batch(
         draft_token_ids, num_draft_tokens, max_spec_len, draft_probs, target_logits, bonus_token_ids
     )
-    _, _, output_tokens = torch.ops.specdec.tree_rejection_sample(
+    if tree_parents is not None:  # trees inside vLLM's step (trees.py): the drafted parents
+        tree.parents = tree_parents.to(device)
+    accepted_nodes, num_accepted, output_tokens = torch.ops.specdec.tree_rejection_sample(
         tree.logits,
         tree.tokens,
         tree.parents,
@@ -123,6 +129,8 @@ def rejection_sample(
         fixed.top_p,
         _uniforms(sampling_metadata, num_draft_tokens, K + 2, fixed).to(device),  # T = K + 1
     )
+    if tree_parents is not None:
+        trees.record_acceptance(accepted_nodes, num_accepted)
     return output_tokens
 
 

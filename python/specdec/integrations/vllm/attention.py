@@ -1,0 +1,270 @@
+"""An attention backend for vLLM's CPU platform that attends through torch.ops.specdec:
+every row of a step (prefill chunks, plain decode, speculative trees) is one row of a
+`tree_verify` batch over vLLM's paged KV cache, with the step's tree mask.
+
+vLLM's own CPU backend (CPU_ATTN) keeps K and V packed per instruction set and knows causal
+masks only, so a tree of drafts cannot be verified through it. This backend keeps vLLM's
+allocation (per layer `[num_blocks, Hkv, block_size, 2 * D]`, layout LBHNC: K in the first D
+channels, V in the last D) and reads it as the logical `[num_blocks, block_size, Hkv, D]`
+strided views that specdec's ops take (docs/integration.md, "Layouts"), so `compact_kv` and
+`tree_verify` run on the cache as vLLM allocated it.
+
+Row b of a step: its `cache_len = seq_len - query_len` cached tokens, then `query_len` new
+tokens at cache rows `cache_len + i` (vLLM's slot mapping). A row without drafts is a chain
+(causal); a row with drafts takes the parents the runner registered for it (trees.py, the step
+context), so node i attends to the cached tokens and its ancestors only.
+
+Refused with a clear error: sliding windows, ALiBi, logit soft-capping, attention sinks,
+quantized KV caches and non-decoder attention (the tree runner supports Llama-family
+decoders).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+import specdec_kernels  # noqa: F401  (registers torch.ops.specdec)
+from specdec.integrations.vllm import trees
+from specdec.integrations.vllm.trees import kv_views
+
+
+def _backend_base():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """One step's rows as tree_verify takes them (B rows padded to T nodes).
+
+    token_index: [B * T] int64, the flat token of (row, node) or -1 (padding);
+    valid: [B * T] bool; cache_lens, num_nodes: [B] int32; tree_mask: [B, T, ceil(T / 64)];
+    block_table: [B, max_blocks]; slot_mapping: [N]."""
+
+    num_actual_tokens: int
+    B: int
+    T: int
+    token_index: torch.Tensor
+    valid: torch.Tensor
+    cache_lens: torch.Tensor
+    num_nodes: torch.Tensor
+    tree_mask: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class TreeAttentionMetadataBuilder:
+    """Builds TreeAttentionMetadata from vLLM's CommonAttentionMetadata and the parents the
+    tree runner registered for this step (trees.step_parents())."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+        AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)  # type: ignore[arg-type]
+        self.kv_cache_spec = kv_cache_spec
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        m = common_attn_metadata
+        B = m.num_reqs
+        starts = m.query_start_loc_cpu[: B + 1].long()
+        query_lens = starts[1:] - starts[:-1]
+        seq_lens = m.seq_lens[:B].cpu().long()
+        T = max(int(query_lens.max()), 1)
+        registered = trees.step_parents()
+        parents = torch.full((B, T), -1, dtype=torch.int32)
+        for b in range(B):
+            n = int(query_lens[b])
+            tree = registered.get(b)
+            if tree is not None and len(tree) == n:
+                parents[b, :n] = torch.as_tensor(tree, dtype=torch.int32)
+            else:
+                parents[b, :n] = torch.arange(n, dtype=torch.int32) - 1  # causal chain
+        num_nodes = query_lens.to(torch.int32)
+        tree_mask, _ = torch.ops.specdec.build_tree_mask(parents, num_nodes)
+        node = torch.arange(T)
+        valid = (node[None, :] < query_lens[:, None]).reshape(-1)
+        token_index = (starts[:B, None] + node[None, :]).reshape(-1)
+        token_index = torch.where(valid, token_index, -1)
+        trees.note_block_table(m.block_table_tensor[:B])
+        return TreeAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            B=B,
+            T=T,
+            token_index=token_index,
+            valid=valid,
+            cache_lens=(seq_lens - query_lens).to(torch.int32),
+            num_nodes=num_nodes,
+            tree_mask=tree_mask,
+            block_table=m.block_table_tensor[:B],
+            slot_mapping=m.slot_mapping,
+        )
+
+
+class TreeAttentionImpl:
+    """forward: vLLM's AttentionImpl contract (query [N, Hq, D], key / value [N, Hkv, D],
+    output [N, Hq, D] or [N, Hq * D])."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype: str,
+        logits_soft_cap=None,
+        attn_type: str = "decoder",
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+    ) -> None:
+        refused = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "sinks": sinks is not None,
+            "kv_cache_dtype (quantized)": kv_cache_dtype not in ("auto", None),
+            "attn_type (non-decoder)": str(attn_type).lower().split(".")[-1] != "decoder",
+        }
+        bad = [name for name, on in refused.items() if on]
+        if bad:
+            raise NotImplementedError(
+                "specdec tree attention (vLLM plugin) supports plain decoder attention only; "
+                f"this model's layer uses: {', '.join(bad)}"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+        self.sliding_window = None
+        self.sinks = None
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Writes key / value [N, Hkv, D] at vLLM's slots (block * block_size + row)."""
+        k_cache, v_cache = kv_views(kv_cache, self.head_size)
+        block_size = k_cache.shape[1]
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        keep = slots >= 0  # vLLM marks padding tokens' slots -1
+        blocks, rows = slots // block_size, slots % block_size
+        if not bool(keep.all()):
+            blocks, rows = blocks[keep], rows[keep]
+            key, value = key[:n][keep], value[:n][keep]
+        k_cache[blocks, rows] = key[: len(blocks)].to(k_cache.dtype)
+        v_cache[blocks, rows] = value[: len(blocks)].to(v_cache.dtype)
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("specdec tree attention: fused output quantization")
+        if attn_metadata is None:  # vLLM's profiling / warm-up runs
+            return output
+        m = attn_metadata
+        N = m.num_actual_tokens
+        k_cache, v_cache = kv_views(kv_cache, self.head_size)
+        q = query[:N].view(N, self.num_heads, self.head_size)
+        rows = m.valid.nonzero().squeeze(1)
+        q_batch = q.new_zeros(m.B * m.T, self.num_heads, self.head_size)
+        q_batch[rows] = q[m.token_index[rows]]
+        out = torch.ops.specdec.tree_verify(
+            q_batch.view(m.B, m.T, self.num_heads, self.head_size),
+            k_cache,
+            v_cache,
+            m.block_table,
+            m.cache_lens,
+            m.num_nodes,
+            m.tree_mask,
+            self.scale,
+        )
+        flat = out.reshape(m.B * m.T, self.num_heads * self.head_size)
+        result = output[:N].view(N, self.num_heads * self.head_size)
+        result[m.token_index[rows]] = flat[rows].to(result.dtype)
+        return output
+
+
+def backend_class():
+    """The backend class (built on first use: it subclasses vLLM's CPU backend, which needs
+    vLLM imported)."""
+    global _BACKEND
+    if _BACKEND is None:
+        base = _backend_base()
+
+        class SpecdecTreeAttentionBackend(base):  # type: ignore[misc, valid-type]
+            """vLLM's CPU attention backend with specdec's tree attention (module docstring);
+            same name, block sizes and cache allocation as CPU_ATTN."""
+
+            forward_includes_kv_cache_update = False
+
+            @classmethod
+            def supports_non_causal(cls) -> bool:
+                return False
+
+            @classmethod
+            def supports_sliding_window(cls) -> bool:
+                return False
+
+            @classmethod
+            def supports_attn_type(cls, attn_type: str) -> bool:
+                return str(attn_type).lower().split(".")[-1] == "decoder"
+
+            @staticmethod
+            def get_impl_cls():
+                return _impl_class()
+
+            @staticmethod
+            def get_builder_cls():
+                return _builder_class()
+
+        _BACKEND = SpecdecTreeAttentionBackend
+    return _BACKEND
+
+
+def _impl_class():
+    global _IMPL
+    if _IMPL is None:
+        from vllm.v1.attention.backend import AttentionImpl
+
+        class SpecdecTreeAttentionImpl(TreeAttentionImpl, AttentionImpl):  # type: ignore[misc]
+            pass
+
+        _IMPL = SpecdecTreeAttentionImpl
+    return _IMPL
+
+
+def _builder_class():
+    global _BUILDER
+    if _BUILDER is None:
+        from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+        class SpecdecTreeAttentionMetadataBuilder(
+            TreeAttentionMetadataBuilder,
+            AttentionMetadataBuilder,  # type: ignore[misc]
+        ):
+            pass
+
+        _BUILDER = SpecdecTreeAttentionMetadataBuilder
+    return _BUILDER
+
+
+_BACKEND = None
+_BUILDER = None
+_IMPL = None
+BACKEND_PATH = "specdec.integrations.vllm.attention.SpecdecTreeAttentionBackend"
+
+
+def __getattr__(name: str):
+    # vLLM resolves backends by qualified name: make the lazily built class importable
+    if name == "SpecdecTreeAttentionBackend":
+        return backend_class()
+    raise AttributeError(name)
