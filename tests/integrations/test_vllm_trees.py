@@ -70,7 +70,7 @@ def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_ste
     cache_lens = [6, 11]  # row 0: a 4-token prefill chunk; row 1: a 5-node tree
     query_lens = [4, 5]
     tree = [-1, 0, 0, 1, 2]
-    tree_step.update(parents={1: tree}, active=True)
+    tree_step.update(parents={1: tree})
     starts = [0, 4, 9]
     N = starts[-1]
     positions = torch.tensor(
@@ -133,7 +133,7 @@ def test_sampler_tree_path_accepts_the_greedy_walk(tree_step):
     drafts = torch.tensor([(int(argmax[0]) + 1) % V, int(argmax[0]), 0, 0])  # nodes 1..4
     drafts[2] = (int(argmax[2]) + 1) % V  # node 3 (under node 1) is wrong
     drafts[3] = int(argmax[2])  # node 4 (under node 2) is right
-    tree_step.update(parents={0: tree}, active=True, accepted=None)
+    tree_step.update(parents={0: tree}, accepted=None)
     bonus = torch.tensor([[int(argmax[4])]])
     out = sampler.rejection_sample(
         drafts,

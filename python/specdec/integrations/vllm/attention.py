@@ -25,7 +25,13 @@ import torch
 
 import specdec_kernels  # noqa: F401  (registers torch.ops.specdec)
 from specdec.integrations.vllm import trees
+from specdec.integrations.vllm.sampler import chain_parents
 from specdec.integrations.vllm.trees import kv_views
+
+
+def _is_decoder(attn_type) -> bool:
+    """vLLM's attention type (a str enum member or its name) is decoder self-attention."""
+    return str(attn_type).lower().split(".")[-1] == "decoder"
 
 
 def _backend_base():
@@ -38,15 +44,15 @@ def _backend_base():
 class TreeAttentionMetadata:
     """One step's rows as tree_verify takes them (B rows padded to T nodes).
 
-    token_index: [B * T] int64, the flat token of (row, node) or -1 (padding);
-    valid: [B * T] bool; cache_lens, num_nodes: [B] int32; tree_mask: [B, T, ceil(T / 64)];
-    block_table: [B, max_blocks]; slot_mapping: [N]."""
+    batch_rows: [N] int64, each real (row, node)'s place b * T + i in the padded batch;
+    tokens: [N] int64, its token in vLLM's flat order; cache_lens, num_nodes: [B] int32;
+    tree_mask: [B, T, ceil(T / 64)]; block_table: [B, max_blocks]; slot_mapping: [N]."""
 
     num_actual_tokens: int
     B: int
     T: int
-    token_index: torch.Tensor
-    valid: torch.Tensor
+    batch_rows: torch.Tensor
+    tokens: torch.Tensor
     cache_lens: torch.Tensor
     num_nodes: torch.Tensor
     tree_mask: torch.Tensor
@@ -71,28 +77,21 @@ class TreeAttentionMetadataBuilder:
         query_lens = starts[1:] - starts[:-1]
         seq_lens = m.seq_lens[:B].cpu().long()
         T = max(int(query_lens.max()), 1)
-        registered = trees.step_parents()
-        parents = torch.full((B, T), -1, dtype=torch.int32)
-        for b in range(B):
-            n = int(query_lens[b])
-            tree = registered.get(b)
-            if tree is not None and len(tree) == n:
-                parents[b, :n] = torch.as_tensor(tree, dtype=torch.int32)
-            else:
-                parents[b, :n] = torch.arange(n, dtype=torch.int32) - 1  # causal chain
+        parents = chain_parents(B, T, "cpu")  # causal rows; nodes past num_nodes are not read
+        trees.write_step_trees(parents)
         num_nodes = query_lens.to(torch.int32)
         tree_mask, _ = torch.ops.specdec.build_tree_mask(parents, num_nodes)
+        # once per step, not per layer: where each token sits in the padded [B, T] batch
         node = torch.arange(T)
-        valid = (node[None, :] < query_lens[:, None]).reshape(-1)
-        token_index = (starts[:B, None] + node[None, :]).reshape(-1)
-        token_index = torch.where(valid, token_index, -1)
+        batch_rows = (node[None, :] < query_lens[:, None]).reshape(-1).nonzero().squeeze(1)
+        tokens = (starts[:B, None] + node[None, :]).reshape(-1)[batch_rows]
         trees.note_block_table(m.block_table_tensor[:B])
         return TreeAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             B=B,
             T=T,
-            token_index=token_index,
-            valid=valid,
+            batch_rows=batch_rows,
+            tokens=tokens,
             cache_lens=(seq_lens - query_lens).to(torch.int32),
             num_nodes=num_nodes,
             tree_mask=tree_mask,
@@ -125,7 +124,7 @@ class TreeAttentionImpl:
             "logits_soft_cap": bool(logits_soft_cap),
             "sinks": sinks is not None,
             "kv_cache_dtype (quantized)": kv_cache_dtype not in ("auto", None),
-            "attn_type (non-decoder)": str(attn_type).lower().split(".")[-1] != "decoder",
+            "attn_type (non-decoder)": not _is_decoder(attn_type),
         }
         bad = [name for name, on in refused.items() if on]
         if bad:
@@ -174,9 +173,8 @@ class TreeAttentionImpl:
         N = m.num_actual_tokens
         k_cache, v_cache = kv_views(kv_cache, self.head_size)
         q = query[:N].view(N, self.num_heads, self.head_size)
-        rows = m.valid.nonzero().squeeze(1)
         q_batch = q.new_zeros(m.B * m.T, self.num_heads, self.head_size)
-        q_batch[rows] = q[m.token_index[rows]]
+        q_batch[m.batch_rows] = q[m.tokens]
         out = torch.ops.specdec.tree_verify(
             q_batch.view(m.B, m.T, self.num_heads, self.head_size),
             k_cache,
@@ -189,7 +187,7 @@ class TreeAttentionImpl:
         )
         flat = out.reshape(m.B * m.T, self.num_heads * self.head_size)
         result = output[:N].view(N, self.num_heads * self.head_size)
-        result[m.token_index[rows]] = flat[rows].to(result.dtype)
+        result[m.tokens] = flat[m.batch_rows].to(result.dtype)
         return output
 
 
@@ -216,7 +214,7 @@ def backend_class():
 
             @classmethod
             def supports_attn_type(cls, attn_type: str) -> bool:
-                return str(attn_type).lower().split(".")[-1] == "decoder"
+                return _is_decoder(attn_type)
 
             @staticmethod
             def get_impl_cls():

@@ -119,9 +119,12 @@ def _hook_trees() -> None:
     if getattr(select, _MARK, False):
         return
 
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+    def building_tree_engine() -> bool:
         config = _current_config()
-        if config is not None and trees.trees_enabled(config):
+        return config is not None and trees.trees_enabled(config)
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if building_tree_engine():
             from specdec.integrations.vllm.attention import BACKEND_PATH
 
             logger.info("specdec: tree attention backend (tree_verify over the paged cache)")
@@ -138,8 +141,7 @@ def _hook_trees() -> None:
     cached = selector._cached_get_attn_backend
 
     def _cached_get_attn_backend(*args, **kwargs):
-        config = _current_config()
-        if config is not None and trees.trees_enabled(config):
+        if building_tree_engine():
             return cached.__wrapped__(*args, **kwargs)
         return cached(*args, **kwargs)
 

@@ -88,9 +88,9 @@ def rejection_sample(
     )
     from specdec.integrations.vllm import trees
 
-    tree_parents = trees.tree_batch_parents(num_draft_tokens, K + 1)
+    in_tree_step = bool(trees.step_parents())
     uniform = (
-        tree_parents is None
+        not in_tree_step
         and draft_probs is None
         and K > 0
         and all(n == K for n in num_draft_tokens)
@@ -116,8 +116,8 @@ def rejection_sample(
     tree = chain_batch(
         draft_token_ids, num_draft_tokens, max_spec_len, draft_probs, target_logits, bonus_token_ids
     )
-    if tree_parents is not None:  # trees inside vLLM's step (trees.py): the drafted parents
-        tree.parents = tree_parents.to(device)
+    if in_tree_step:  # trees inside vLLM's step (trees.py): the drafted parents
+        trees.write_step_trees(tree.parents)
     accepted_nodes, num_accepted, output_tokens = torch.ops.specdec.tree_rejection_sample(
         tree.logits,
         tree.tokens,
@@ -129,12 +129,12 @@ def rejection_sample(
         fixed.top_p,
         _uniforms(sampling_metadata, num_draft_tokens, K + 2, fixed).to(device),  # T = K + 1
     )
-    if tree_parents is not None:
+    if in_tree_step:
         trees.record_acceptance(accepted_nodes, num_accepted)
     return output_tokens
 
 
-def _chain_parents(B: int, T: int, device) -> torch.Tensor:
+def chain_parents(B: int, T: int, device) -> torch.Tensor:
     """parents [B, T] of T-node chains: node j's parent is j - 1 (the root's -1)."""
     return (torch.arange(T, dtype=torch.int32) - 1).expand(B, T).contiguous().to(device)
 
@@ -145,8 +145,8 @@ class _FixedInputs:
     small tensors cost as much as the walk itself."""
 
     def __init__(self, B: int, K: int, device: str):
-        self.parents = _chain_parents(B, K + 1, device)  # chains of K + 1 nodes (padded layout)
-        self.chain_parents = _chain_parents(B, K, device)  # of K nodes (vLLM's logits as is)
+        self.parents = chain_parents(B, K + 1, device)  # chains of K + 1 nodes (padded layout)
+        self.chain_parents = chain_parents(B, K, device)  # of K nodes (vLLM's logits as is)
         self.num_nodes = torch.full((B,), K, dtype=torch.int32, device=device)
         self.top_k = torch.zeros(B, dtype=torch.int32, device=device)  # 0: off (vLLM applied it)
         self.top_p = torch.ones(B, device=device)  # 1.0: off (vLLM applied it)
@@ -196,7 +196,7 @@ def chain_batch(
 
     tokens = torch.zeros(B * T, dtype=torch.int32, device=dev)
     tokens.index_copy_(0, draft_rows + 1, draft_token_ids.to(torch.int32))  # draft j is node j+1
-    parents = _chain_parents(B, T, dev)
+    parents = chain_parents(B, T, dev)
     probs = None
     if draft_probs is not None:
         probs = torch.zeros(B * T, V, dtype=draft_probs.dtype, device=dev)

@@ -12,14 +12,16 @@ all in the worker, hooked by install() on engines whose config asks for trees:
    mapping, unchanged) but at RoPE position `cache_len + depth(i)`; the attention backend
    (attention.py) verifies with the tree mask built from the registered parents.
 3. Sampling: sampler.py's rejection sampling takes the registered parents instead of chains
-   (`tree_rejection_sample`, the node after the last one holding vLLM's bonus token), and
-   returns the accepted root path as the request's new tokens.
+   (`tree_rejection_sample`, the last node K holding vLLM's bonus token, which vLLM sampled
+   from node K's logits), and returns the accepted root path as the request's new tokens.
 4. Commit: `compact_kv` moves the accepted nodes' K/V to rows `cache_len + 1 ...` in every
    layer before vLLM advances `num_computed_tokens` by the accepted count (+1), which frees
    the rejected rows.
 
-Exact: greedy output equals vLLM plain token for token (float32), sampled output is
-distributed as the target (tests/integrations/test_vllm_trees.py).
+Exact: greedy output equals vLLM plain token for token (float32,
+tests/integrations/test_vllm_trees.py); sampled output follows tree_rejection_sample's rule
+(docs/ops.md), whose distribution the op's own tests check (no statistical test inside a
+running vLLM engine yet).
 """
 
 import numpy as np
@@ -30,14 +32,23 @@ from specdec.drafters import NgramDrafter
 from specdec.integrations.vllm.options import specdec_options
 
 # One engine step's tree state in this process (a vLLM worker runs one step at a time):
-# batch row -> parents of its scheduled nodes (node 0 the root, -1), the block table the
-# attention metadata was built with, and the cache lengths the step started from.
-_step: dict = {"parents": {}, "block_table": None, "cache_lens": None, "active": False}
+# batch row -> parents of its scheduled nodes (node 0 the root, -1), set when the step's
+# inputs are prepared and cleared after its sampling; the block table the attention metadata
+# was built with; the cache lengths the step started from; the accepted paths.
+_step: dict = {"parents": {}, "block_table": None, "cache_lens": None, "accepted": None}
 
 
 def step_parents() -> dict:
     """{batch row: parents list} of this step's tree rows ({} outside a tree step)."""
-    return _step["parents"] if _step["active"] else {}
+    return _step["parents"]
+
+
+def write_step_trees(parents: torch.Tensor) -> None:
+    """parents [B, T] (chains) <- this step's registered trees, each over its row's first
+    nodes (rows past B ignored)."""
+    for b, tree in _step["parents"].items():
+        if b < parents.shape[0]:
+            parents[b, : len(tree)] = torch.as_tensor(tree, dtype=parents.dtype)
 
 
 def note_block_table(block_table: torch.Tensor) -> None:
@@ -120,17 +131,16 @@ def install() -> None:
 
     def _sample(self, logits, spec_decode_metadata):
         out = sample(self, logits, spec_decode_metadata)
-        if _tree_runner(self) and spec_decode_metadata is not None:
-            _compact(self)
+        if _tree_runner(self):
+            if spec_decode_metadata is not None:
+                _compact(self)
+            _step["parents"] = {}  # the step is over: later samplers see no trees
         return out
 
     def propose_draft_token_ids(self, *args, **kwargs):
         drafts = propose(self, *args, **kwargs)
         if _tree_runner(self):
-            registry = self.__dict__.setdefault("_specdec_parents", {})
-            registry.clear()
-            for req_id, parents in zip(self.input_batch.req_ids, self.drafter.parents):
-                registry[req_id] = parents
+            self._specdec_parents = dict(zip(self.input_batch.req_ids, self.drafter.parents))
         return drafts
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
@@ -172,41 +182,24 @@ def _place_tree_nodes(runner, scheduler_output, num_scheduled_tokens) -> None:
         start = int(starts[b])
         runner.positions[start : start + k + 1] = torch.from_numpy(int(computed[b]) + depth)
     _step["parents"] = rows
-    _step["active"] = True
     _step["cache_lens"] = torch.from_numpy(computed.astype(np.int32))
 
 
 def _compact(runner) -> None:
     """compact_kv in every layer: the accepted nodes' K/V to rows cache_len + 1 ..."""
-    accepted = _step.get("accepted")
+    accepted = _step["accepted"]
     if accepted is None or not _step["parents"]:
         return
     accepted_nodes, num_accepted = accepted
     B = accepted_nodes.shape[0]
     block_table = _step["block_table"][:B]
     cache_lens = _step["cache_lens"][:B]
-    head_size = None
     for kv_cache in runner.kv_caches:
-        if head_size is None:
-            head_size = kv_cache.shape[-1] // 2
-        k_cache, v_cache = kv_views(kv_cache, head_size)
+        k_cache, v_cache = kv_views(kv_cache, kv_cache.shape[-1] // 2)
         torch.ops.specdec.compact_kv(
             k_cache, v_cache, block_table, cache_lens, accepted_nodes, num_accepted
         )
     _step["accepted"] = None
-
-
-def tree_batch_parents(num_draft_tokens: list, T: int) -> torch.Tensor | None:
-    """[B, T] parents for sampler.py's tree batch (node k_b + 1... padding -1; chains for rows
-    without a registered tree); None outside a tree step."""
-    if not _step["active"]:
-        return None
-    B = len(num_draft_tokens)
-    parents = (torch.arange(T, dtype=torch.int32) - 1).expand(B, T).contiguous()
-    for b, tree in _step["parents"].items():
-        if b < B:
-            parents[b, : len(tree)] = torch.as_tensor(tree, dtype=torch.int32)
-    return parents
 
 
 def record_acceptance(accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
