@@ -58,10 +58,11 @@ def _head_copy(tmp_path) -> str:
     "method, options, message",
     [
         ("plain", {}, "without a speculative_config"),
-        ("eagle+ngram", {}, "not hosted inside vLLM yet"),
+        ("eagle+ngram", {"tree": False}, "trees only"),
         ("draft", {}, "draft_model"),
         ("lookahead", {}, "unknown method 'lookahead'"),
-        ("eagle", {"tree": "adaptive"}, "unknown option"),
+        ("medusa", {"tree": "adaptive"}, "unknown option"),
+        ("eagle", {"tree": "dynamic:9"}, "tree"),
         ("ngram", {"head": "x"}, "unknown option"),
         ("ngram", {"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer"),
         ("ngram", {"ngram_min": 5, "ngram_max": 2}, "ngram_min"),

@@ -36,7 +36,8 @@ def test_options_move_to_additional_config():
     [
         ({"trees": True}, "unknown option"),
         ({"tree": "adaptive", "sampler": "specdec"}, "must be true or false"),
-        ({"tree": True}, "trees need sampler 'specdec'"),
+        ({"tree": True, "drafter": "ngram", "tree_spec": "adaptive"}, "need sampler 'specdec'"),
+        ({"tree": True, "sampler": "specdec"}, "trees need a drafter"),
         ({"sampler": "fast"}, "'vllm' or 'specdec'"),
         ("specdec", "must be a dict"),
     ],

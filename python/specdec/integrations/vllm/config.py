@@ -16,6 +16,12 @@ Methods (docs/integration.md, "In vLLM", has the table of what runs where):
   export.export_head into a cache directory, run by vLLM's own method of that name; "eagle"
   with an EAGLE-3 head becomes "eagle3".
 - "ngram": specdec's n-gram drafter as a custom_class proposer (proposers.NgramProposer).
+- tree=True / "dynamic:D,K,N" / "adaptive[:D,K,N]" ("eagle", "eagle3", "ngram", and
+  "eagle+ngram", which needs one): the drafter's trees verified inside vLLM's step
+  (trees.py), drafted by specdec's own drafter hosted as a custom_class proposer
+  (hosted.DrafterProposer); num_speculative_tokens is then the tree's node count less the
+  root. tree=True is a static tree of DEFAULT_TREE_NODES drafts (n-gram: tree_depth and
+  tree_branches shape it); "adaptive" sizes each step with specdec's policy.
 
 Options: num_speculative_tokens (the chain depth; default 4, Medusa its head count), head,
 model (the target, .gguf or checkpoint dir; default the default model), export_dir, ngram_max
@@ -39,28 +45,22 @@ OPTIONS_KEY = "specdec"  # the dict's key holding specdec's own options (plugin.
 SAMPLERS = ("vllm", "specdec")
 DEFAULT_DEPTH = 4
 HEAD_METHODS = ("eagle", "eagle3", "medusa")
-METHODS = HEAD_METHODS + ("ngram",)
+TREE_METHODS = ("eagle", "eagle3", "ngram", "eagle+ngram")
+METHODS = HEAD_METHODS + ("ngram", "eagle+ngram")
 NGRAM_PROPOSER = "specdec.integrations.vllm.proposers.NgramProposer"
-NGRAM_TREE_PROPOSER = "specdec.integrations.vllm.trees.NgramTreeProposer"
-DEFAULT_TREE_NODES = 8  # drafted nodes below the root (vLLM's num_speculative_tokens)
+HOSTED_PROPOSER = "specdec.integrations.vllm.hosted.DrafterProposer"
+DEFAULT_TREE_NODES = 8  # drafted nodes below the root of tree=True (num_speculative_tokens)
+_HEAD_OPTIONS = {"num_speculative_tokens", "head", "model", "export_dir", "sampler", "tree"}
+_NGRAM_OPTIONS = {"num_speculative_tokens", "ngram_max", "ngram_min", "sampler", "tree"}
 _OPTIONS = {
-    "eagle": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
-    "eagle3": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
-    "medusa": {"num_speculative_tokens", "head", "model", "export_dir", "sampler"},
-    "ngram": {
-        "num_speculative_tokens",
-        "ngram_max",
-        "ngram_min",
-        "sampler",
-        "tree",
-        "tree_branches",
-        "tree_depth",
-    },
+    "eagle": _HEAD_OPTIONS,
+    "eagle3": _HEAD_OPTIONS,
+    "medusa": _HEAD_OPTIONS - {"tree"},
+    "ngram": _NGRAM_OPTIONS | {"tree_branches", "tree_depth"},
+    "eagle+ngram": (_HEAD_OPTIONS | _NGRAM_OPTIONS) - {"model", "export_dir"},
 }
 _NOT_HOSTED = {
     "plain": "plain decoding is vLLM without a speculative_config (pass None)",
-    "eagle+ngram": "the merged eagle+ngram drafter's trees are not hosted inside vLLM yet; "
-    "n-gram trees are: speculative_config('ngram', tree=True)",
     "draft": "use vLLM's own draft_model method with the draft checkpoint directory",
 }
 
@@ -92,7 +92,10 @@ def speculative_config(method: str, **options) -> dict:
     depth = options.get("num_speculative_tokens")
     if depth is not None:
         _check_positive_int("num_speculative_tokens", depth)
-    if method == "ngram":
+    if options.get("tree") or method == "eagle+ngram":
+        config = _tree_config(method, depth, options, sampler)
+        specdec_options.update(config.pop(OPTIONS_KEY))
+    elif method == "ngram":
         for name in ("ngram_max", "ngram_min"):
             if name in options:
                 _check_positive_int(name, options[name])
@@ -102,34 +105,103 @@ def speculative_config(method: str, **options) -> dict:
             raise InvalidRequestError(
                 f"speculative_config: ngram_min ({lo}) must be <= ngram_max ({hi})"
             )
-        tree = options.get("tree", False)
-        if tree not in (False, True, "static"):
+        shaping = sorted({"tree_branches", "tree_depth"} & set(options))
+        if shaping:
             raise InvalidRequestError(
-                f"speculative_config('ngram'): tree must be True / 'static' (a trie of "
-                f"num_speculative_tokens nodes) or False, got {tree!r}; adaptive trees are "
-                "not hosted inside vLLM yet (docs/integration.md, Trees inside vLLM)"
+                f"speculative_config('ngram'): {', '.join(shaping)} shape tree=True only"
             )
         config = {
             "method": "custom_class",
-            "model": NGRAM_TREE_PROPOSER if tree else NGRAM_PROPOSER,
-            "num_speculative_tokens": depth or (DEFAULT_TREE_NODES if tree else DEFAULT_DEPTH),
+            "model": NGRAM_PROPOSER,
+            "num_speculative_tokens": depth or DEFAULT_DEPTH,
         }
-        if tree:
-            if sampler == "vllm" and "sampler" in options:
-                raise InvalidRequestError(
-                    "speculative_config('ngram'): trees need sampler='specdec' (vLLM's "
-                    "rejection sampler verifies chains only)"
-                )
-            specdec_options.update(tree=True, sampler="specdec")
-            for name in ("tree_branches", "tree_depth"):
-                if name in options:
-                    _check_positive_int(name, options[name])
-                    specdec_options[name] = options[name]
     else:
         config = _head_config(method, depth, options)
     if specdec_options:
         config[OPTIONS_KEY] = specdec_options
     return config
+
+
+def _tree_config(method: str, depth, options, sampler: str) -> dict:
+    """The hosted proposer's config: tree spec, drafter, head, n-gram lengths."""
+    from specdec.errors import InvalidTreeSpecError
+    from specdec.speculation.trees import TreeSpec
+
+    if "sampler" in options and sampler != "specdec":
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): trees need sampler='specdec' (vLLM's rejection "
+            "sampler verifies chains only)"
+        )
+    tree = options.get("tree", True)
+    if tree is False:
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): the merged drafter drafts trees only: pass "
+            "tree=True, 'dynamic:D,K,N' or 'adaptive[:D,K,N]'"
+        )
+    ngram = {name: options[name] for name in ("ngram_max", "ngram_min") if name in options}
+    for name, value in ngram.items():
+        _check_positive_int(name, value)
+    if ngram.get("ngram_min", 1) > ngram.get("ngram_max", 4):
+        raise InvalidRequestError(
+            f"speculative_config: ngram_min ({ngram['ngram_min']}) must be <= ngram_max "
+            f"({ngram.get('ngram_max', 4)})"
+        )
+    for name in ("tree_branches", "tree_depth"):
+        if name in options:
+            _check_positive_int(name, options[name])
+            if tree is not True:
+                raise InvalidRequestError(
+                    f"speculative_config({method!r}): {name} shapes tree=True only"
+                )
+    if tree is True:
+        nodes = depth or DEFAULT_TREE_NODES
+        # half the nodes deep by default, so that a second branch finds room
+        tree_depth = options.get("tree_depth", max(1, nodes // 2))
+        branches = options.get("tree_branches", 3 if method == "ngram" else 4)
+        text = f"dynamic:{min(tree_depth, nodes)},{min(branches, nodes)},{nodes + 1}"
+    elif isinstance(tree, str):
+        text = tree
+    else:
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): tree must be True, 'dynamic:D,K,N' or "
+            f"'adaptive[:D,K,N]', got {tree!r}"
+        )
+    try:
+        spec = TreeSpec.parse(text)
+    except InvalidTreeSpecError as e:
+        raise InvalidRequestError(f"speculative_config({method!r}): tree: {e}") from None
+    if spec.kind == "chain":
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): tree {text!r} is a chain; pass tree=False "
+            "(vLLM's own chain speculation) or a dynamic / adaptive tree"
+        )
+    if depth is not None and depth != spec.num_nodes - 1:
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): num_speculative_tokens ({depth}) must equal "
+            f"the tree's drafts ({spec.num_nodes - 1} for {spec})"
+        )
+    options_out = {"tree": True, "sampler": "specdec", "drafter": method, "tree_spec": str(spec)}
+    if method == "eagle3":
+        options_out["drafter"] = "eagle"
+    if method != "ngram":
+        from specdec.heads import DEFAULT_HEAD, EAGLE3_HEAD
+        from specdec.integrations.vllm.export import head_kind, resolve_head_dir
+
+        head = options.get("head") or (EAGLE3_HEAD if method == "eagle3" else DEFAULT_HEAD)
+        head_dir = resolve_head_dir(head)
+        kind = head_kind(head_dir)
+        if kind == "medusa" or (method == "eagle3" and kind != "eagle3"):
+            raise InvalidRequestError(
+                f"speculative_config({method!r}): head {options.get('head')!r} is a {kind} head"
+            )
+        options_out["head"] = head_dir
+    options_out.update(ngram if method in ("ngram", "eagle+ngram") else {})
+    return {
+        "method": "custom_class",
+        "model": HOSTED_PROPOSER,
+        "num_speculative_tokens": spec.num_nodes - 1,
+        OPTIONS_KEY: options_out,
+    }
 
 
 def _head_config(method: str, depth, options) -> dict:

@@ -4,8 +4,9 @@ hands to every worker with the rest of its config.
 
     {"sampler": "specdec"}          rejection sampling through tree_rejection_sample
     {"ngram_max": 4, "ngram_min": 1} the n-gram proposer's match lengths
-    {"tree": True, "tree_branches": 3, "tree_depth": 8}
-                                    n-gram trees verified inside vLLM's step (trees.py)
+    {"tree": True, "drafter": "eagle+ngram", "tree_spec": "adaptive", "head": DIR}
+                                    trees verified inside vLLM's step (trees.py), drafted by
+                                    specdec's drafter hosted in vLLM (hosted.py)
 
 SPECDEC_VLLM_SAMPLER=1 in the environment turns the sampler on as {"sampler": "specdec"} does
 (for a `vllm serve` started without specdec's options, say).
@@ -15,7 +16,8 @@ from specdec import envs
 from specdec.errors import InvalidRequestError
 
 KEY = "specdec"
-KNOWN = {"sampler", "ngram_max", "ngram_min", "tree", "tree_branches", "tree_depth"}
+KNOWN = {"sampler", "ngram_max", "ngram_min", "tree", "drafter", "tree_spec", "head"}
+DRAFTERS = ("ngram", "eagle", "eagle+ngram")
 
 
 def check_options(options) -> dict:
@@ -39,6 +41,13 @@ def check_options(options) -> dict:
     if options.get("tree", False) not in (True, False):
         raise InvalidRequestError(
             f"speculative_config['{KEY}']['tree'] must be true or false, got {options['tree']!r}"
+        )
+    if options.get("tree") and (
+        options.get("drafter", "ngram") not in DRAFTERS or not options.get("tree_spec")
+    ):
+        raise InvalidRequestError(
+            f"speculative_config['{KEY}']: trees need a drafter ({', '.join(DRAFTERS)}) and a "
+            f"tree_spec, got {options.get('drafter')!r} / {options.get('tree_spec')!r}"
         )
     if options.get("tree") and options.get("sampler") != "specdec":
         raise InvalidRequestError(

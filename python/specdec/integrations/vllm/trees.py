@@ -6,8 +6,11 @@ that step when its nodes travel as the request's K "draft tokens" in topological
 (parents before children, so any prefix vLLM keeps is still a tree) and four things change,
 all in the worker, hooked by install() on engines whose config asks for trees:
 
-1. Drafting: `NgramTreeProposer` (a custom_class proposer) returns each request's tree as its
-   node tokens and keeps the parents; the runner files them under the request's id.
+1. Drafting: hosted.DrafterProposer (a custom_class proposer hosting a specdec Drafter) is
+   handed the step's hidden states and emitted tokens, then returns each request's tree as its
+   node tokens and keeps the parents; the runner files them under the request's id. For the
+   EAGLE-3 head the target's forward also returns its feature layers' outputs (vLLM's aux
+   hidden states, switched on when the model loads).
 2. Positions and attention: node i of a request sits at cache row `cache_len + i` (vLLM's slot
    mapping, unchanged) but at RoPE position `cache_len + depth(i)`; the attention backend
    (attention.py) verifies with the tree mask built from the registered parents.
@@ -28,7 +31,6 @@ import numpy as np
 import torch
 
 import specdec_kernels  # noqa: F401  (registers torch.ops.specdec)
-from specdec.drafters import NgramDrafter
 from specdec.integrations.vllm.options import specdec_options
 
 # One engine step's tree state in this process (a vLLM worker runs one step at a time):
@@ -59,45 +61,6 @@ def trees_enabled(vllm_config) -> bool:
     return bool(specdec_options(vllm_config).get("tree"))
 
 
-class NgramTreeProposer:
-    """specdec's n-gram drafter as a vLLM custom_class proposer that drafts trees: the
-    continuations of the longest matching suffix n-gram's recent occurrences merged into a
-    trie (NgramDrafter.trie) of at most num_speculative_tokens nodes below the root and
-    `tree_branches` first-level branches. propose() returns each row's node tokens (root
-    excluded, parents before children); `parents[row]` holds their parents (0 = the root)."""
-
-    def __init__(self, vllm_config):
-        spec = vllm_config.speculative_config
-        options = specdec_options(vllm_config)
-        self.num_nodes = int(spec.num_speculative_tokens)
-        self.drafter = NgramDrafter(options.get("ngram_max", 4), options.get("ngram_min", 1))
-        # half the nodes deep by default, so that a second continuation finds room
-        self.drafter.depth = int(options.get("tree_depth", max(1, self.num_nodes // 2)))
-        self.drafter.total = self.num_nodes + 1
-        self.drafter.branches = int(options.get("tree_branches", 3))
-        self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.parents: list = []
-
-    def load_model(self, target_model) -> None:
-        """No model: drafting reads the request's tokens only."""
-
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
-        drafts, self.parents = [], []
-        for i, sampled in enumerate(sampled_token_ids):
-            n = int(num_tokens_no_spec[i])
-            room = min(self.num_nodes, self.max_model_len - n)
-            if not len(sampled) or room <= 0:
-                drafts.append([])
-                self.parents.append([-1])
-                continue
-            history = token_ids_cpu[i, :n]
-            _, continuations = self.drafter.match(history)
-            tokens, parents, _, _ = self.drafter.trie(int(history[-1]), continuations)
-            drafts.append([int(t) for t in tokens[1 : room + 1]])
-            self.parents.append(list(parents[: room + 1]))
-        return drafts
-
-
 def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's per-layer cache [num_blocks, Hkv, block_size, 2 * D] -> (k, v), each the
     logical [num_blocks, block_size, Hkv, D] strided view (no copy)."""
@@ -122,6 +85,7 @@ def install() -> None:
         return
     prepare, sample = GPUModelRunner._prepare_inputs, GPUModelRunner._sample
     propose = GPUModelRunner.propose_draft_token_ids
+    setup_aux = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = prepare(self, scheduler_output, num_scheduled_tokens)
@@ -137,15 +101,48 @@ def install() -> None:
             _step["parents"] = {}  # the step is over: later samplers see no trees
         return out
 
-    def propose_draft_token_ids(self, *args, **kwargs):
-        drafts = propose(self, *args, **kwargs)
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        *args,
+        **kwargs,
+    ):
+        if _tree_runner(self):
+            _hand_over_step(
+                self, scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states
+            )
+        drafts = propose(
+            self,
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            *args,
+            **kwargs,
+        )
         if _tree_runner(self):
             self._specdec_parents = dict(zip(self.input_batch.req_ids, self.drafter.parents))
         return drafts
 
+    def _setup_eagle3_aux_hidden_state_outputs(self):
+        layers = _tree_runner(self) and self.drafter.vllm_aux_layers()
+        if not layers:
+            return setup_aux(self)
+        # the hosted drafter reads feature layers (EAGLE-3): the forward returns them
+        self.use_aux_hidden_state_outputs = True
+        self.model.set_aux_hidden_state_layers(layers)
+
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._sample = _sample
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
     GPUModelRunner._specdec_trees_hooked = True
 
 
@@ -167,22 +164,48 @@ def _place_tree_nodes(runner, scheduler_output, num_scheduled_tokens) -> None:
     computed = batch.num_computed_tokens_cpu[:num_reqs]
     rows: dict = {}
     for b, req_id in enumerate(batch.req_ids[:num_reqs]):
-        k = len(spec.get(req_id, ()))
+        drafts = spec.get(req_id, ())
+        k = len(drafts)
         if k == 0:
             continue
-        parents = registry.get(req_id)
-        if parents is None or len(parents) < k + 1:
-            raise RuntimeError(
-                f"specdec trees: request {req_id} has {k} scheduled drafts but no tree of "
-                "that size was proposed for it"
-            )
-        parents = list(parents[: k + 1])
+        # drafts past the proposed tree (or all of them, when none was proposed: vLLM's
+        # placeholder drafts of a request entering decode from its waiting queue, its zero
+        # drafts of a step it ran no drafting for) hang below it as a chain: verified like
+        # any node (exact), and out-of-range placeholders are never accepted
+        parents = list(registry.get(req_id, [-1]))[: k + 1]
+        parents += range(len(parents) - 1, k)
         rows[b] = parents
         depth = tree_positions(parents)
         start = int(starts[b])
         runner.positions[start : start + k + 1] = torch.from_numpy(int(computed[b]) + depth)
+    registry.clear()  # proposed for this step only
     _step["parents"] = rows
     _step["cache_lens"] = torch.from_numpy(computed.astype(np.int32))
+    _step["starts"] = starts[:num_reqs].tolist()
+
+
+def _hand_over_step(runner, scheduler_output, sampled_token_ids, hidden_states, aux) -> None:
+    """The step's hidden states and emitted tokens to the hosted drafter (hosted.HostedStep),
+    and the batch rows' requests for its propose()."""
+    from specdec.integrations.vllm.hosted import HostedStep
+
+    batch = runner.input_batch
+    req_ids = list(batch.req_ids[: batch.num_reqs])
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    step = HostedStep(
+        req_ids,
+        [int(scheduler_output.num_scheduled_tokens[q]) for q in req_ids],
+        _step["cache_lens"][: len(req_ids)].tolist(),
+        [len(spec.get(q, ())) for q in req_ids],
+        _step["starts"],
+        hidden_states,
+        torch.cat(aux, dim=-1) if aux else None,
+        [list(s) for s in sampled_token_ids],
+        batch.token_ids_cpu,
+        set(scheduler_output.finished_req_ids),
+    )
+    runner.drafter.observe(step)
+    runner.drafter.bind_rows(req_ids)
 
 
 def _compact(runner) -> None:
