@@ -232,23 +232,29 @@ def run_engine_process(setting: dict) -> dict:
 
 def run_engine(setting: dict) -> dict:
     """One vLLM engine with setting["speculative_config"]: greedy, each prompt alone (batch
-    1), then setting["concurrency"] prompts in one call (0: not) -> {"batch1": row,
-    "concurrent": row or None}, a row holding tokens/s and the acceptance counters (batch 1
-    also the outputs)."""
+    1), then setting["concurrency"] prompts in one call (0: not), then, with
+    setting["staggered"] = n, n prompts arriving one every setting["arrive_every"] engine
+    steps -> {"batch1": row, "concurrent": row or None, "staggered": outputs and counters},
+    a row holding tokens/s, the acceptance counters and the outputs. Optional settings:
+    kv_cache_bytes, block_size (a small cache of small blocks forces preemption)."""
     from vllm import LLM, SamplingParams
 
     prompts = setting["prompt_ids"]
+    # vLLM drafts nothing in a step whose longest request has fewer free positions than
+    # num_speculative_tokens: the context leaves that room past the longest request
+    drafts = (setting["speculative_config"] or {}).get("num_speculative_tokens", 0)
     t0 = time.perf_counter()
     llm = LLM(
         setting["model_dir"],
         dtype=setting["dtype"],
         seed=setting["seed"],
         enforce_eager=setting["enforce_eager"],
-        max_model_len=max(len(p) for p in prompts) + setting["max_new_tokens"] + 16,
-        max_num_seqs=max(1, setting["concurrency"]),
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        max_model_len=max(len(p) for p in prompts) + setting["max_new_tokens"] + 16 + drafts,
+        max_num_seqs=max(1, setting["concurrency"], setting.get("staggered", 0)),
+        kv_cache_memory_bytes=setting.get("kv_cache_bytes", KV_CACHE_BYTES),
         speculative_config=setting["speculative_config"],
         disable_log_stats=False,
+        **({"block_size": setting["block_size"]} if setting.get("block_size") else {}),
     )
     startup_s = time.perf_counter() - t0
     greedy = SamplingParams(
@@ -278,18 +284,42 @@ def run_engine(setting: dict) -> dict:
     batch1 = _row(outputs, sum(e for _, e, _ in parts), counts)
     batch1["outputs"] = outputs
     batch1["startup_s"] = startup_s
-    if not setting["concurrency"]:
-        return {"batch1": batch1, "concurrent": None}
-    many = [prompts[i % len(prompts)] for i in range(setting["concurrency"])]
-    outs, elapsed, counts = timed(many)
-    concurrent = _row(outs, elapsed, counts)
-    concurrent["outputs"] = outs
-    return {"batch1": batch1, "concurrent": concurrent}
+    result = {"batch1": batch1, "concurrent": None}
+    if setting["concurrency"]:
+        many = [prompts[i % len(prompts)] for i in range(setting["concurrency"])]
+        outs, elapsed, counts = timed(many)
+        result["concurrent"] = _row(outs, elapsed, counts)
+        result["concurrent"]["outputs"] = outs
+    if setting.get("staggered"):
+        many = [prompts[i % len(prompts)] for i in range(setting["staggered"])]
+        before = _counters(llm)
+        outs = _staggered(llm, many, greedy, setting.get("arrive_every", 2))
+        after = _counters(llm)
+        result["staggered"] = {"outputs": outs, **{k: after[k] - before[k] for k in after}}
+    return result
+
+
+def _staggered(llm, prompts: list, params, every: int) -> list:
+    """The prompts through vLLM's engine loop, one arriving every `every` engine steps
+    (arrivals and finishes mid-flight) -> their outputs' token ids, in prompt order."""
+    engine = llm.llm_engine
+    outputs: dict = {}
+    step = 0
+    while len(outputs) < len(prompts):
+        arrived = step // every + 1
+        if step % every == 0 and arrived <= len(prompts):
+            engine.add_request(str(arrived - 1), {"prompt_token_ids": prompts[arrived - 1]}, params)
+        for out in engine.step():
+            if out.finished:  # vLLM appends a suffix to the id it was given
+                outputs[int(out.request_id.split("-")[0])] = list(out.outputs[0].token_ids)
+        step += 1
+    return [outputs[i] for i in range(len(prompts))]
 
 
 def _counters(llm) -> dict:
-    values = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+    values = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "preemptions": 0}
     names = {
+        "vllm:num_preemptions": "preemptions",
         "vllm:spec_decode_num_drafts": "drafts",
         "vllm:spec_decode_num_draft_tokens": "draft_tokens",
         "vllm:spec_decode_num_accepted_tokens": "accepted",
