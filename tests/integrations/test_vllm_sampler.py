@@ -237,3 +237,68 @@ def test_seeded_requests_repeat(vllm_sampling):
         return sampler.rejection_sample(*args, _metadata(2, temperature=1.0, generators=g))
 
     assert torch.equal(run(), run())
+
+
+# Trees inside vLLM's step (trees.py): root -> a, b (siblings: the root's two likeliest
+# tokens), a -> c (the likeliest after a); vLLM's draft tokens are the nodes a, b, c in
+# topological order and its logits rows the nodes' (the last, node c's, its bonus row).
+TREE = [-1, 0, 0, 1]
+
+
+@pytest.fixture
+def tree_step():
+    from specdec.integrations.vllm import trees
+
+    saved = dict(trees._step)
+    yield trees
+    trees._step.clear()
+    trees._step.update(saved)
+
+
+def _tree_copies(trees, seed):
+    """N copies of the TREE problem through vLLM's RejectionSampler.forward in a tree step
+    (temperature 0.8, top-k 6, top-p 0.9) -> (output [N, 4], the 4 logits rows, (a, b, c))."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(len(TREE), V, generator=gen)
+    order = rows.argsort(dim=-1, descending=True)
+    nodes = (int(order[0, 0]), int(order[0, 1]), int(order[1, 0]))
+    drafts = torch.tensor(nodes * N, dtype=torch.int32)
+    trees._step["parents"] = {b: TREE for b in range(N)}
+    meta = _metadata(N, temperature=0.8, top_k=6, top_p=0.9)
+    spec = _spec_metadata([len(TREE) - 1] * N, drafts)
+    out = RejectionSampler(Sampler())(spec, None, rows.repeat(N, 1), meta)
+    trees._step["parents"] = {}
+    return out.sampled_token_ids, rows, nodes
+
+
+def _tree_fit(out, rows, nodes):
+    """p-values of every emitted position against the target at the node it follows: the
+    first token at the root, the next after a, after b (a sibling's path) and after a-c.
+    A position with fewer than 500 samples (a path the sampler never takes) fails."""
+    a, b, c = nodes
+    p = _processed(rows)
+    cases = {
+        "first": (out[:, 0], p[0]),
+        "after a": (out[out[:, 0] == a, 1], p[1]),
+        "after b": (out[out[:, 0] == b, 1], p[2]),
+        "after a, c": (out[(out[:, 0] == a) & (out[:, 1] == c), 2], p[3]),
+    }
+    return {k: _pvalue(s, q) if len(s) >= 500 else 0.0 for k, (s, q) in cases.items()}
+
+
+def test_tree_step_samples_the_targets_distribution(installed, tree_step, _fresh_seed):
+    pvalues = _tree_fit(*_tree_copies(tree_step, _fresh_seed))
+    assert min(pvalues.values()) > P_MIN_EXACT, pvalues
+
+
+def test_a_tree_step_sampled_as_chains_fails_the_same_test(
+    installed, tree_step, monkeypatch, _fresh_seed
+):
+    """A plausible mistake: the drafted parents never reach the sampler, so the siblings are
+    verified as one chain (a -> b -> c) and b's path is never emitted."""
+    monkeypatch.setattr(tree_step, "write_step_trees", lambda parents: None)
+    pvalues = _tree_fit(*_tree_copies(tree_step, _fresh_seed))
+    assert min(pvalues.values()) < P_MAX_WRONG, pvalues

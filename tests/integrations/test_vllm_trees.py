@@ -1,20 +1,24 @@
-"""Trees inside vLLM's step (specdec.integrations.vllm.trees / attention): the n-gram tree
-proposer's tries, the attention backend against a float64 dense reference over vLLM's cache
-layout, the sampler's tree path against the greedy walk, and a running vLLM engine whose
-greedy output equals vLLM plain's at batch 1 and with concurrent requests (float32)."""
+"""Trees inside vLLM's step (specdec.integrations.vllm.trees / hosted / attention): the
+hosted drafter's tries and accepted paths, the attention backend against a float64 dense
+reference over vLLM's cache layout, the sampler's tree path against the greedy walk, and
+running vLLM engines (n-gram, EAGLE and merged adaptive trees) whose greedy output equals
+vLLM plain's at batch 1, with concurrent requests and with staggered arrivals under forced
+preemption (float32)."""
 
 import functools
 import math
+import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from specdec.integrations.vllm import sampler, trees
+from specdec.integrations.vllm import hosted, sampler, trees
 from specdec.integrations.vllm.attention import TreeAttentionImpl
 from specdec.integrations.vllm.trees import kv_views
 from specdec.integrations.vllm.version import INSTALL_HINT, installed_version
+from specdec.speculation.trees import TreeSpec
 
 
 @pytest.fixture
@@ -29,23 +33,99 @@ def tree_step():
 def _vllm_config(nodes=6, **options):
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=nodes),
-        model_config=SimpleNamespace(max_model_len=1000),
+        model_config=SimpleNamespace(max_model_len=1000, model=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
         additional_config={"specdec": {"tree": True, "sampler": "specdec", **options}},
     )
 
 
-def test_tree_proposer_drafts_topological_tries_of_the_continuations():
-    proposer = trees.NgramTreeProposer(_vllm_config(nodes=6, tree_branches=2, tree_depth=3))
-    # "1 2" was followed by 3 4 5, 7 8 and 3 4 9: the trie under the root 2 holds 3-4-9 and
-    # 7-8-0 (most recent first), and 3-4-5 would need a seventh node
-    history = np.array([1, 2, 3, 4, 5, 0, 1, 2, 7, 8, 0, 1, 2, 3, 4, 9, 0, 1, 2])
-    rows = np.stack([history, history])
-    drafts = proposer.propose([[2], []], np.array([len(history), len(history)]), rows)
-    assert drafts[1] == [] and proposer.parents[1] == [-1]
-    assert drafts[0] == [3, 4, 9, 7, 8, 0]
-    assert proposer.parents[0] == [-1, 0, 1, 2, 0, 4, 5]
+# "1 2" was followed by 3 4 5, 7 8 and 3 4 9: the trie under the root 2 holds 3-4-9 and 7-8-0
+# (most recent first), and 3-4-5 would need a seventh node
+HISTORY = np.array([1, 2, 3, 4, 5, 0, 1, 2, 7, 8, 0, 1, 2, 3, 4, 9, 0, 1, 2])
+TRIE = ([2, 3, 4, 9, 7, 8, 0], [-1, 0, 1, 2, 0, 4, 5])
+
+
+def _step(req_ids, scheduled, computed, drafts, sampled, token_ids, finished=()):
+    starts = np.concatenate(([0], np.cumsum(scheduled))).tolist()
+    return hosted.HostedStep(
+        req_ids,
+        scheduled,
+        computed,
+        drafts,
+        starts,
+        torch.zeros(starts[-1], 8),
+        None,
+        sampled,
+        token_ids,
+        set(finished),
+    )
+
+
+def test_hosted_ngram_drafter_drafts_tries_and_commits_the_accepted_path():
+    proposer = hosted.DrafterProposer(
+        _vllm_config(nodes=6, drafter="ngram", tree_spec="dynamic:3,2,7")
+    )
+    proposer.load_model(None)
+    n = len(HISTORY)
+    ids = np.zeros((2, 64), dtype=np.int32)
+    ids[0, :n] = HISTORY
+    ids[1, :5] = HISTORY[:5]
+    # row 0 prefills and samples its first token (2); row 1 is a partial prefill
+    proposer.observe(_step(["a", "b"], [n - 1, 4], [0, 0], [0, 0], [[2], []], ids))
+    proposer.bind_rows(["a", "b"])
+    drafts = proposer.propose([[2], []], np.array([n, 4]), ids)
+    assert drafts == [TRIE[0][1:], []]
+    assert proposer.parents == [TRIE[1], [-1]]
     # vLLM may keep a prefix of the drafts: every prefix is a tree (parents before children)
     assert all(0 <= p < i for i, p in enumerate(proposer.parents[0]) if i)
+    # the next step verified all 6 nodes and emitted 3, 4 (nodes 1, 2) and the bonus 5
+    ids[0, n : n + 3] = [3, 4, 5]
+    proposer.observe(_step(["a", "b"], [7, 1], [n - 1, 4], [6, 0], [[3, 4, 5], [1]], ids))
+    assert proposer.requests["a"].next_position == n + 2
+    proposer.bind_rows(["a", "b"])
+    drafts = proposer.propose([[3, 4, 5], [1]], np.array([n + 3, 5]), ids)
+    assert drafts[0] == [0, 1, 2]  # "3 4 5" was followed by "0 1 2"
+    # a request vLLM finished gives its slot back; one whose cache length does not match
+    # (recomputed after preemption) starts over
+    proposer.observe(_step(["b"], [1], [5], [0], [[7]], ids[1:], finished=["a"]))
+    assert set(proposer.requests) == {"b"} and len(proposer.free) == 3
+    proposer.observe(_step(["b"], [3], [0], [0], [[7]], ids[1:]))
+    assert proposer.requests["b"].next_position == 3
+
+
+def test_accepted_path_walks_the_emitted_tokens_down_the_tree():
+    proposal = (*TRIE, None)
+    assert hosted._accepted_path(proposal, 6, [7, 8, 1]) == [0, 4, 5]
+    assert hosted._accepted_path(proposal, 6, [5]) == [0]  # nothing accepted: the bonus only
+    assert hosted._accepted_path(proposal, 6, [7, 4, 1]) is None  # 4 is not under 7
+    assert hosted._accepted_path(proposal, 3, [7, 8]) is None  # node 4 was not verified
+
+
+def test_drafts_past_the_proposed_tree_are_verified_as_a_chain(tree_step):
+    """vLLM's placeholder drafts (a request entering decode from its waiting queue) and
+    drafts past the tree proposed for a request hang below it as a chain."""
+    runner = SimpleNamespace(
+        _specdec_parents={"a": [-1, 0, 0]},
+        input_batch=SimpleNamespace(
+            num_reqs=3, req_ids=["a", "b", "c"], num_computed_tokens_cpu=np.array([10, 20, 30])
+        ),
+        positions=torch.zeros(16, dtype=torch.long),
+    )
+    scheduled = SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 7, 8], "b": [-1, -1]})
+    trees._place_tree_nodes(runner, scheduled, np.array([5, 3, 1]))
+    assert tree_step["parents"] == {0: [-1, 0, 0, 2, 3], 1: [-1, 0, 1]}
+    assert runner.positions[:9].tolist() == [
+        10,
+        11,
+        11,
+        12,
+        13,
+        20,
+        21,
+        22,
+        0,
+    ]  # row c ran plain: untouched
+    assert runner._specdec_parents == {}  # proposed for that step only
 
 
 def test_tree_positions_are_depths():
@@ -159,19 +239,54 @@ def test_tree_options_are_checked():
     if installed_version() is None:
         pytest.skip(f"speculative_config checks the vLLM version: {INSTALL_HINT}")
     config = speculative_config("ngram", tree=True, tree_branches=2)
-    assert config["model"].endswith("NgramTreeProposer")
-    assert config["specdec"] == {"tree": True, "sampler": "specdec", "tree_branches": 2}
-    with pytest.raises(InvalidRequestError, match="adaptive"):
-        speculative_config("ngram", tree="adaptive")
+    assert config["model"].endswith("hosted.DrafterProposer")
+    assert config["num_speculative_tokens"] == 8
+    assert config["specdec"] == {
+        "tree": True,
+        "sampler": "specdec",
+        "drafter": "ngram",
+        "tree_spec": "dynamic:4,2,9",
+    }
+    merged = speculative_config("eagle+ngram", tree="adaptive")
+    assert merged["specdec"]["tree_spec"].startswith("adaptive")
+    assert merged["num_speculative_tokens"] == TreeSpec.parse("adaptive").num_nodes - 1
+    assert os.path.isdir(merged["specdec"]["head"])
+    assert check_options(merged["specdec"]) == merged["specdec"]
+    assert speculative_config("eagle3", tree=True)["specdec"]["drafter"] == "eagle"
+    with pytest.raises(InvalidRequestError, match="must equal"):
+        speculative_config("eagle", tree="dynamic:3,2,7", num_speculative_tokens=5)
+    with pytest.raises(InvalidRequestError, match="is a chain"):
+        speculative_config("eagle", tree="chain:4")
+    with pytest.raises(InvalidRequestError, match="trees only"):
+        speculative_config("eagle+ngram", tree=False)
+    with pytest.raises(InvalidRequestError, match="shapes tree=True only"):
+        speculative_config("ngram", tree="adaptive", tree_branches=2)
+    with pytest.raises(InvalidRequestError, match="unknown option"):
+        speculative_config("medusa", tree=True)
     with pytest.raises(InvalidRequestError, match="sampler"):
         speculative_config("ngram", tree=True, sampler="vllm")
     with pytest.raises(InvalidRequestError, match="sampler"):
-        check_options({"tree": True})
+        check_options({"tree": True, "drafter": "ngram", "tree_spec": "dynamic:2,2,4"})
+    with pytest.raises(InvalidRequestError, match="drafter"):
+        check_options({"tree": True, "sampler": "specdec", "drafter": "medusa"})
+
+
+# 16 MiB of float32 KV (45 KiB a token): ~11 blocks of 32 tokens, 3 or 4 requests' worth.
+KV_CACHE_BYTES = 16 << 20
+# The engine test's configurations (specdec's speculative_config helper; None: vLLM plain).
+CONFIGS = {
+    "plain": None,
+    "ngram tree": ("ngram", {"tree": True}),
+    "eagle tree": ("eagle", {"tree": True}),
+    "eagle+ngram adaptive": ("eagle+ngram", {"tree": "adaptive"}),
+}
 
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    """engine(spec) -> run_engine's result (batch 1 and 3 concurrent requests, float32)."""
+    """engine(name) -> run_engine's result for CONFIGS[name] (float32): 3 MT-bench prompts at
+    batch 1, 3 concurrent requests, and 8 requests arriving one every 2 engine steps in a
+    cache of 32-token blocks too small to hold them all (vLLM preempts and recomputes)."""
     from specdec.bench.vllm import run_engine_process
     from specdec.datasets import mtbench_prompts
     from specdec.models.loader import load_tokenizer
@@ -182,9 +297,10 @@ def engine(model_dir):
     ]
 
     @functools.cache
-    def run(tree: bool):
+    def run(name: str):
         from specdec.integrations.vllm import speculative_config
 
+        method = CONFIGS[name]
         return run_engine_process(
             {
                 "model_dir": model_dir,
@@ -193,10 +309,14 @@ def engine(model_dir):
                 "prompt_ids": prompts,
                 "max_new_tokens": 24,
                 "concurrency": 3,
+                "staggered": 8,
+                "arrive_every": 2,
+                "block_size": 32,
+                "kv_cache_bytes": KV_CACHE_BYTES,
                 "eos": sorted(tok.eos_token_ids),
                 "seed": 0,
                 "enforce_eager": True,
-                "speculative_config": speculative_config("ngram", tree=True) if tree else None,
+                "speculative_config": method and speculative_config(method[0], **method[1]),
             }
         )
 
@@ -205,9 +325,13 @@ def engine(model_dir):
 
 @pytest.mark.slow
 @pytest.mark.skipif(installed_version() is None, reason=f"vLLM is not installed: {INSTALL_HINT}")
-def test_vllm_with_ngram_trees_is_exact(engine):
-    plain, tree = engine(False), engine(True)
+@pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n]])
+def test_vllm_with_specdec_trees_is_exact(engine, name):
+    plain, tree = engine("plain"), engine(name)
     assert tree["specdec_sampler"], "the worker did not sample through specdec's op"
-    assert tree["batch1"]["outputs"] == plain["batch1"]["outputs"]
-    assert tree["concurrent"]["outputs"] == plain["concurrent"]["outputs"]
-    assert tree["batch1"]["drafts"] > 0 and tree["batch1"]["accepted"] > 0
+    for part in ("batch1", "concurrent", "staggered"):
+        assert tree[part]["outputs"] == plain[part]["outputs"], part
+    assert tree["staggered"]["preemptions"] > 0, "the small cache forced no preemption"
+    drafted = [tree[part]["drafts"] for part in ("batch1", "concurrent", "staggered")]
+    accepted = [tree[part]["accepted"] for part in ("batch1", "concurrent", "staggered")]
+    assert sum(drafted) > 0 and sum(accepted) > 0, (drafted, accepted)
