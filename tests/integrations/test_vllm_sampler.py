@@ -84,6 +84,21 @@ def test_greedy_equals_vllm(vllm_sampling, num_draft_tokens, _fresh_seed):
         assert torch.equal(sampler.rejection_sample(*args, meta), own(*args, meta))
 
 
+def test_placeholder_drafts_are_never_accepted(vllm_sampling, _fresh_seed):
+    """vLLM schedules -1 placeholder drafts for a request it has no drafts for yet: the row
+    ends before its first placeholder, as vLLM's own kernels (a -1 never matches)."""
+    _, own, sampler = vllm_sampling
+    gen = torch.Generator().manual_seed(_fresh_seed)
+    for _ in range(10):
+        drafts, counts, k, cu, _, logits, bonus = _greedy_inputs([3, 3, 2], 50, gen)
+        drafts[1:3] = -1  # request 0 from its second draft
+        drafts[3:6] = -1  # request 1 entirely
+        args = (drafts, counts, k, cu, None, logits, bonus)
+        got = sampler.rejection_sample(*args, _metadata(3))
+        assert torch.equal(got, own(*args, _metadata(3)))
+        assert (got[0, 2:] == -1).all() and got[1, 0] == logits[3].argmax() and got[1, 1] == -1
+
+
 def _spec_metadata(num_draft_tokens, drafts):
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 

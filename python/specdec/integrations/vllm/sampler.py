@@ -89,8 +89,11 @@ def rejection_sample(
     from specdec.integrations.vllm import trees
 
     in_tree_step = bool(trees.step_parents())
+    V = target_logits.shape[-1]
+    placeholders = bool(((draft_token_ids < 0) | (draft_token_ids >= V)).any())
     uniform = (
         not in_tree_step
+        and not placeholders
         and draft_probs is None
         and K > 0
         and all(n == K for n in num_draft_tokens)
@@ -179,7 +182,10 @@ def chain_batch(
     bonus_token_ids: torch.Tensor,
 ) -> ChainBatch:
     """vLLM's flattened drafts -> ChainBatch (see the module docstring). Padding nodes (past a
-    request's num_nodes) are never read by the op and are left unset."""
+    request's num_nodes) are never read by the op and are left unset. A draft outside the
+    vocabulary (the -1 placeholders vLLM's scheduler pads a request's drafts with) ends its
+    request's row: the row keeps the nodes before it (the placeholder is never accepted) and
+    no bonus point mass (the walk samples from the last kept node's logits)."""
     B, T, V = len(num_draft_tokens), max_spec_len + 1, target_logits.shape[-1]
     dev = target_logits.device
     counts = torch.tensor(num_draft_tokens, dtype=torch.long)
@@ -194,6 +200,13 @@ def chain_batch(
     logits[bonus_rows] = float("-inf")
     logits[bonus_rows, bonus_token_ids.view(-1).to(dev)] = 0.0
 
+    num_nodes = counts + 1
+    invalid = ((draft_token_ids < 0) | (draft_token_ids >= V)).cpu()
+    if bool(invalid.any()):
+        first = torch.where(invalid, position, counts[request])  # a row's first placeholder
+        kept = counts.clone().scatter_reduce_(0, request, first, "amin")
+        num_nodes = kept + 1
+        draft_token_ids = torch.where(invalid.to(dev), 0, draft_token_ids)
     tokens = torch.zeros(B * T, dtype=torch.int32, device=dev)
     tokens.index_copy_(0, draft_rows + 1, draft_token_ids.to(torch.int32))  # draft j is node j+1
     parents = chain_parents(B, T, dev)
@@ -206,7 +219,7 @@ def chain_batch(
         logits.view(B, T, V),
         tokens.view(B, T),
         parents,
-        (counts + 1).to(torch.int32).to(dev),
+        num_nodes.to(torch.int32).to(dev),
         probs,
     )
 
