@@ -1,5 +1,6 @@
-"""N-gram trees verified inside vLLM's step against vLLM plain and the n-gram chain, one engine
-process per row (specdec.bench.vllm.run_engine_process), the same prompts and token budget:
+"""specdec's trees (n-gram, EAGLE, the merged adaptive eagle+ngram) verified inside vLLM's step
+against vLLM plain and vLLM's own chains (its EAGLE and n-gram proposers), one engine process per
+row (specdec.bench.vllm.run_engine_process), the same prompts and token budget:
 tokens/s at batch 1 and with --concurrency requests at once, tokens per target forward,
 whether greedy output equals vLLM plain's. The "tree, no drafts" row runs the tree engine
 with an n-gram length no prompt matches: every step is a plain step through specdec's
@@ -7,7 +8,7 @@ attention backend, which isolates the backend's cost from the drafts' (docs/inte
 Trees inside vLLM).
 
     .venv/bin/python benchmarks/bench_vllm_trees.py --num-prompts 12 --max-new-tokens 64 \
-        --concurrency 8 --output benchmarks/out/vllm_trees.json
+        --concurrency 32 --output benchmarks/out/vllm_trees.json
 """
 
 import argparse
@@ -23,8 +24,12 @@ def rows(nodes: int) -> dict:
 
     return {
         "vllm_plain": None,
-        "ngram_chain_4": speculative_config("ngram", sampler="specdec", num_speculative_tokens=4),
+        # vLLM's own chains (its proposers and rejection sampler), the same head and n-grams
+        "vllm_eagle_chain_3": speculative_config("eagle", num_speculative_tokens=3),
+        "vllm_ngram_chain_4": speculative_config("ngram", num_speculative_tokens=4),
         f"ngram_tree_{nodes}": speculative_config("ngram", tree=True, num_speculative_tokens=nodes),
+        f"eagle_tree_{nodes}": speculative_config("eagle", tree=True, num_speculative_tokens=nodes),
+        "eagle_ngram_adaptive": speculative_config("eagle+ngram", tree="adaptive"),
         "tree_backend_no_drafts": speculative_config(
             "ngram", tree=True, num_speculative_tokens=nodes, ngram_min=64, ngram_max=64
         ),
@@ -35,10 +40,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--nodes", type=int, default=8, help="tree nodes below the root")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-specdec", action="store_true", help="skip specdec's own engine rows")
+    p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     p.add_argument("--output", default="benchmarks/out/vllm_trees.json")
     args = p.parse_args(argv)
 
@@ -62,7 +69,14 @@ def main(argv=None) -> None:
         "enforce_eager": True,
     }
     results, plain = [], None
-    for name, spec in rows(args.nodes).items():
+    chosen = rows(args.nodes)
+    if args.rows:
+        wanted = args.rows.split(",")
+        unknown = sorted(set(wanted) - set(chosen))
+        if unknown:
+            p.error(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(chosen)}")
+        chosen = {n: chosen[n] for n in chosen if n in wanted or n == "vllm_plain"}
+    for name, spec in chosen.items():
         out = run_engine_process({**setting, "speculative_config": spec})
         if plain is None:
             plain = out
@@ -79,6 +93,46 @@ def main(argv=None) -> None:
                 flush=True,
             )
         write_json(args.output, results, {k: v for k, v in setting.items() if k != "prompt_ids"})
+    if not args.no_specdec:
+        results += specdec_rows(args, prompts, tok, plain["batch1"]["outputs"])
+        write_json(args.output, results, {k: v for k, v in setting.items() if k != "prompt_ids"})
+
+
+def specdec_rows(args, prompts, tok, vllm_plain_outputs) -> list:
+    """specdec's own engine with the same drafters and tree specs as the vLLM tree rows, batch
+    1 on the same prompts: the tokens per target forward trees inside vLLM should match."""
+    import torch
+
+    from specdec.bench.common import warm_up
+    from specdec.bench.vllm import _specdec_row
+    from specdec.drafters.choice import DrafterChoice
+    from specdec.models.loader import default_model_path, load_model
+    from specdec.runtime.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
+    max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
+    rows = []
+    for name, method, tree in (
+        ("specdec_plain", "plain", "chain:1"),
+        (f"specdec_eagle_tree_{args.nodes}", "eagle", f"dynamic:4,4,{args.nodes + 1}"),
+        ("specdec_eagle_ngram_adaptive", "eagle+ngram", "adaptive:6,8,32"),
+    ):
+        drafter = DrafterChoice(method).build(model, default_model_path())
+        engine = Engine(model, tokenizer, drafter=drafter, tree=tree, max_seq_len=max_len)
+        warm_up(engine, prompts)
+        row, outputs = _specdec_row(engine, prompts, args.max_new_tokens, 0)
+        row["same_tokens_as_plain"] = sum(
+            a == b[: len(a)] for a, b in zip(outputs, vllm_plain_outputs)
+        ) / len(outputs)
+        row["tokens_per_forward"] = row.pop("mean_acceptance_length")
+        rows.append({"row": name, "mode": "batch1", **row})
+        print(
+            f"{name:24s} batch1     {row['tokens_per_s']:8.2f} tok/s "
+            f"{row['tokens_per_forward']:.3f} tok/fwd same={row['same_tokens_as_plain']:.2f}",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -14,10 +14,15 @@
     Unlike torch.profiler this times what a step pays with the caches as the step leaves
     them (after a forward has streamed the weights, a small torch call costs 3-5x its warm
     time on a CPU).
+--part vllm: a warm vLLM engine (in this process) over MT-bench questions at batch size 1,
+    its worker's step functions and the plugin's tree step wrapped with the same timers, with
+    specdec's trees or plain (--vllm-config).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py --part decode
     .venv/bin/python benchmarks/profile_step.py --part draft --threads 1
     .venv/bin/python benchmarks/profile_step.py --part engine --tree adaptive --threads 2
+    .venv/bin/python benchmarks/profile_step.py --part vllm --vllm-config plain --dtype float32
+    .venv/bin/python benchmarks/profile_step.py --part vllm --vllm-config eagle --dtype float32
 """
 
 import argparse
@@ -300,9 +305,10 @@ TIMED = (
 )
 
 
-def instrument(totals: dict) -> None:
-    """Wraps every TIMED function so that each call adds [1, seconds] to totals[label]."""
-    for owner, name in TIMED:
+def instrument(totals: dict, functions=TIMED) -> None:
+    """Wraps every (owner, name) function so that each call adds [1, seconds] to
+    totals[label]."""
+    for owner, name in functions:
         fn = getattr(owner, name)
         label = f"{getattr(owner, '__name__', str(owner)).rsplit('.', 1)[-1]}.{name}"
 
@@ -359,7 +365,126 @@ def profile_engine(opts):
     return {"tree": opts.tree, "steps": steps}, rows
 
 
-PARTS = {"decode": profile_decode, "draft": profile_draft, "engine": profile_engine}
+# ---------------------------------------------------------------------- --part vllm
+# vLLM's worker step (gpu_model_runner.py, the CPU worker's runner), the plugin's tree step
+# (trees.py, hosted.py) and both attention backends: (module, owner path, attribute)
+VLLM_TIMED = [
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", name)
+    for name in (
+        "execute_model",
+        "sample_tokens",
+        "_update_states",
+        "_prepare_inputs",
+        "_calc_spec_decode_metadata",
+        "_preprocess",
+        "_model_forward",
+        "_sample",
+        "_bookkeeping_sync",
+        "propose_draft_token_ids",
+    )
+] + [
+    ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward"),
+    ("specdec.integrations.vllm.attention", "TreeAttentionImpl", "forward"),
+    ("specdec.integrations.vllm.attention", "TreeAttentionMetadataBuilder", "build"),
+    ("specdec.integrations.vllm.trees", None, "_place_tree_nodes"),
+    ("specdec.integrations.vllm.trees", None, "_hand_over_step"),
+    ("specdec.integrations.vllm.trees", None, "_compact"),
+    ("specdec.integrations.vllm.hosted", "DrafterProposer", "observe"),
+    ("specdec.integrations.vllm.hosted", "DrafterProposer", "propose"),
+]
+
+
+def profile_vllm(opts):
+    """--part vllm: a warm in-process vLLM engine's steps at batch size 1, function by
+    function, with specdec's trees (--vllm-config) or without (plain)."""
+    import importlib
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSampling
+
+    from specdec.integrations.vllm import speculative_config
+    from specdec.models.loader import default_model_path, gguf_checkpoint_dir, load_tokenizer
+
+    model_dir = gguf_checkpoint_dir(default_model_path())
+    tok = load_tokenizer(model_dir)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}])
+        for q in mtbench_prompts(opts.num_prompts)
+    ]
+    if opts.vllm_config == "plain":
+        spec = None
+    else:
+        method, _, tree = opts.vllm_config.partition(":")
+        if tree == "chain":  # vLLM's own chain method with specdec's exported head
+            spec = speculative_config(method)
+        else:
+            spec = speculative_config(method, tree=tree or True)
+    drafts = (spec or {}).get("num_speculative_tokens", 0)
+    llm = LLM(
+        model_dir,
+        dtype=opts.dtype,
+        seed=0,
+        enforce_eager=True,
+        max_model_len=max(len(q) for q in prompts) + opts.max_new_tokens + 16 + drafts,
+        max_num_seqs=1,
+        kv_cache_memory_bytes=256 << 20,
+        speculative_config=spec,
+    )
+    params = VllmSampling(temperature=0.0, max_tokens=opts.max_new_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": max(prompts, key=len)}], params, use_tqdm=False)  # warm
+    totals: dict = collections.defaultdict(lambda: [0, 0.0])
+    timed_functions = []
+    for module, owner, name in VLLM_TIMED:
+        holder = importlib.import_module(module)
+        holder = getattr(holder, owner) if owner else holder
+        timed_functions.append((holder, name))
+    instrument(totals, timed_functions)
+    tokens, t0 = 0, time.perf_counter()
+    for q in prompts:
+        out = llm.generate([{"prompt_token_ids": q}], params, use_tqdm=False)
+        tokens += len(out[0].outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    steps = totals["GPUModelRunner.execute_model"][0]
+    rows = [
+        {
+            "function": label,
+            "calls_per_step": n / steps,
+            "us_per_call": 1e6 * s / n,
+            "ms_per_step": 1e3 * s / steps,
+        }
+        for label, (n, s) in sorted(totals.items(), key=lambda kv: -kv[1][1])
+        if n
+    ]
+    meta = {
+        "vllm_config": opts.vllm_config,
+        "dtype": opts.dtype,
+        "steps": steps,
+        "tokens": tokens,
+        "tokens_per_step": tokens / steps,
+        "tokens_per_s": tokens / wall,
+        "ms_per_step": 1e3 * wall / steps,
+    }
+    print(
+        f"vLLM {opts.vllm_config} ({opts.dtype}), {steps} steps, {tokens / steps:.2f} tokens/step, "
+        f"{1e3 * wall / steps:.2f} ms/step, {tokens / wall:.2f} tok/s (inclusive wall times)"
+    )
+    for r in rows:
+        print(
+            f"{r['function']:44s} {r['calls_per_step']:5.2f}/step {r['us_per_call']:9.1f} us/call "
+            f"{r['ms_per_step']:7.3f} ms/step"
+        )
+    return meta, rows
+
+
+PARTS = {
+    "decode": profile_decode,
+    "draft": profile_draft,
+    "engine": profile_engine,
+    "vllm": profile_vllm,
+}
 
 
 def main():
@@ -387,6 +512,13 @@ def main():
     engine.add_argument("--tree", default="adaptive", help="'plain', or a tree spec (chain:1)")
     engine.add_argument("--num-prompts", type=int, default=8)
     engine.add_argument("--max-new-tokens", type=int, default=128)
+    vllm = p.add_argument_group("--part vllm (also --num-prompts, --max-new-tokens, --dtype)")
+    vllm.add_argument(
+        "--vllm-config",
+        default="eagle+ngram:adaptive",
+        help="'plain', METHOD[:TREE] for speculative_config(METHOD, tree=TREE or True), or "
+        "METHOD:chain for vLLM's own chain method (speculative_config(METHOD))",
+    )
     opts = p.parse_args()
     if opts.threads is None:
         opts.threads = 2 if opts.part == "engine" else 1

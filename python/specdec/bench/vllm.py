@@ -13,10 +13,11 @@ generate call.
 
 Rows (VLLM_ROWS): vLLM plain, vLLM's own n-gram, its eagle / eagle3 / medusa with specdec's
 exported shipped heads, and the plugin's methods (specdec's n-gram proposer; EAGLE-2 with
-specdec's sampler). Per row: tokens/s, tokens per target forward (generated tokens after the
-first over the target forwards after prefill, from vLLM's acceptance counters, the same
-definition as specdec's mean_acceptance_length), vLLM's own acceptance length (1 + accepted
-/ drafts) and whether greedy output equals vLLM plain's.
+specdec's sampler; specdec's trees verified inside vLLM's step: n-gram, EAGLE-2 and the
+merged adaptive eagle+ngram). Per row: tokens/s, tokens per target forward (generated
+tokens after the first over the target forwards after prefill, from vLLM's acceptance
+counters, the same definition as specdec's mean_acceptance_length), vLLM's own acceptance
+length (1 + accepted / drafts) and whether greedy output equals vLLM plain's.
 
 Beside them: specdec's own chains with the same heads and depth (and with the draft
 vocabulary dropped, as the export must for vLLM), specdec at the same concurrency, the
@@ -43,8 +44,11 @@ VLLM_ROWS = {
     "vllm_medusa": ("specdec", "medusa", {}),
     "vllm_specdec_ngram": ("specdec", "ngram", {}),
     "vllm_eagle_specdec_sampler": ("specdec", "eagle", {"sampler": "specdec"}),
-    # n-gram tries of 8 nodes verified inside vLLM's step (integrations/vllm/trees.py)
+    # trees verified inside vLLM's step (integrations/vllm/trees.py): n-gram tries and EAGLE
+    # dynamic trees of 8 nodes below the root, the merged eagle+ngram tree sized per step
     "vllm_specdec_ngram_tree": ("specdec", "ngram", {"tree": True, "num_speculative_tokens": 8}),
+    "vllm_specdec_eagle_tree": ("specdec", "eagle", {"tree": True, "num_speculative_tokens": 8}),
+    "vllm_specdec_eagle_ngram_adaptive": ("specdec", "eagle+ngram", {"tree": "adaptive"}),
 }
 KV_CACHE_BYTES = 1 << 30  # vLLM's CPU KV cache; its default reserves 92 % of the memory
 ENGINE_TIMEOUT_S = 1800
@@ -179,6 +183,8 @@ def _speculative_config(row, depth: int, model_path: str):
     from specdec.integrations.vllm.config import speculative_config
 
     _, method, options = row
+    if "tree" in options or method == "eagle+ngram":  # trees: their own size, specdec's model
+        return speculative_config(method, **options)
     options = {"num_speculative_tokens": depth, **options}
     if method != "ngram":
         options["model"] = model_path
@@ -589,6 +595,34 @@ def _goals(result: dict, vllm: dict) -> dict:
                 "vllm_best": b,
                 "vllm_tokens_per_s": theirs[b],
                 "ratio": ours[a] / theirs[b],
+                "target": target,
+            }
+    # specdec's trees inside vLLM against vLLM's own best chain with the same heads (1.3x)
+    # and vLLM plain (2x at batch 1, at most 3 % slower at the concurrency)
+    trees = {
+        k for k in theirs1 if k.startswith("vllm_specdec_") and ("tree" in k or "adaptive" in k)
+    }
+    chains = {"vllm_eagle", "vllm_eagle3"}
+    for label, table, base, target in (
+        ("trees_batch1_vs_vllm_chain", theirs1, chains, 1.3),
+        ("trees_batch1_vs_vllm_plain", theirs1, {"vllm_plain"}, 2.0),
+        (
+            f"trees_concurrent{vllm['config']['concurrency']}_vs_vllm_plain",
+            theirs_n,
+            {"vllm_plain"},
+            0.97,
+        ),
+    ):
+        ours_t = {k: table[k] for k in trees if k in table}
+        base_t = {k: table[k] for k in base if k in table}
+        if ours_t and base_t:
+            a, b = max(ours_t, key=ours_t.get), max(base_t, key=base_t.get)
+            goals[label] = {
+                "specdec_best": a,
+                "specdec_tokens_per_s": ours_t[a],
+                "vllm_best": b,
+                "vllm_tokens_per_s": base_t[b],
+                "ratio": ours_t[a] / base_t[b],
                 "target": target,
             }
     return goals
