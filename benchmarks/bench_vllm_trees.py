@@ -94,11 +94,11 @@ def main(argv=None) -> None:
             )
         write_json(args.output, results, {k: v for k, v in setting.items() if k != "prompt_ids"})
     if not args.no_specdec:
-        results += specdec_rows(args, prompts, tok, plain["batch1"]["outputs"])
+        results += specdec_rows(args, prompts)
         write_json(args.output, results, {k: v for k, v in setting.items() if k != "prompt_ids"})
 
 
-def specdec_rows(args, prompts, tok, vllm_plain_outputs) -> list:
+def specdec_rows(args, prompts) -> list:
     """specdec's own engine with the same drafters and tree specs as the vLLM tree rows, batch
     1 on the same prompts: the tokens per target forward trees inside vLLM should match."""
     import torch
@@ -112,19 +112,18 @@ def specdec_rows(args, prompts, tok, vllm_plain_outputs) -> list:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(default_model_path(), dtype=getattr(torch, args.dtype))
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
-    rows = []
+    rows, plain = [], None
     for name, method, tree in (
         ("specdec_plain", "plain", "chain:1"),
         (f"specdec_eagle_tree_{args.nodes}", "eagle", f"dynamic:4,4,{args.nodes + 1}"),
         ("specdec_eagle_ngram_adaptive", "eagle+ngram", "adaptive:6,8,32"),
     ):
-        drafter = DrafterChoice(method).build(model, default_model_path())
+        drafter = DrafterChoice(method).build(model, None)  # None: the default model's heads
         engine = Engine(model, tokenizer, drafter=drafter, tree=tree, max_seq_len=max_len)
         warm_up(engine, prompts)
         row, outputs = _specdec_row(engine, prompts, args.max_new_tokens, 0)
-        row["same_tokens_as_plain"] = sum(
-            a == b[: len(a)] for a, b in zip(outputs, vllm_plain_outputs)
-        ) / len(outputs)
+        plain = plain or outputs  # specdec plain's, the first row
+        row["same_tokens_as_plain"] = sum(a == b for a, b in zip(outputs, plain)) / len(outputs)
         row["tokens_per_forward"] = row.pop("mean_acceptance_length")
         rows.append({"row": name, "mode": "batch1", **row})
         print(

@@ -242,7 +242,8 @@ def run_engine(setting: dict) -> dict:
     setting["staggered"] = n, n prompts arriving one every setting["arrive_every"] engine
     steps -> {"batch1": row, "concurrent": row or None, "staggered": outputs and counters},
     a row holding tokens/s, the acceptance counters and the outputs. Optional settings:
-    kv_cache_bytes, block_size (a small cache of small blocks forces preemption)."""
+    kv_cache_bytes, block_size (a small cache of small blocks forces preemption),
+    tensor_parallel_size."""
     from vllm import LLM, SamplingParams
 
     prompts = setting["prompt_ids"]
@@ -261,6 +262,7 @@ def run_engine(setting: dict) -> dict:
         speculative_config=setting["speculative_config"],
         disable_log_stats=False,
         **({"block_size": setting["block_size"]} if setting.get("block_size") else {}),
+        tensor_parallel_size=setting.get("tensor_parallel_size", 1),
     )
     startup_s = time.perf_counter() - t0
     greedy = SamplingParams(
