@@ -325,6 +325,28 @@ def instrument(totals: dict, functions=TIMED) -> None:
         setattr(owner, name, timed)
 
 
+def timing_rows(totals: dict, steps: int) -> list:
+    """instrument()'s totals -> one row per timed function, the costliest first."""
+    return [
+        {
+            "function": label,
+            "calls_per_step": n / steps,
+            "us_per_call": 1e6 * s / n,
+            "ms_per_step": 1e3 * s / steps,
+        }
+        for label, (n, s) in sorted(totals.items(), key=lambda kv: -kv[1][1])
+        if n
+    ]
+
+
+def print_timing_rows(rows: list, width: int) -> None:
+    for r in rows:
+        print(
+            f"{r['function']:{width}s} {r['calls_per_step']:5.2f}/step "
+            f"{r['us_per_call']:9.1f} us/call {r['ms_per_step']:7.3f} ms/step"
+        )
+
+
 def profile_engine(opts):
     """--part engine: a warm engine's decode steps, function by function."""
     model, tokenizer = load_model(None, dtype=torch.bfloat16)
@@ -346,22 +368,9 @@ def profile_engine(opts):
     for q in prompts:
         request = Request(list(q), SamplingParams(0.0, max_new_tokens=opts.max_new_tokens))
         steps += engine.generate([request])[1].target_forwards
-    rows = [
-        {
-            "function": label,
-            "calls_per_step": n / steps,
-            "us_per_call": 1e6 * s / n,
-            "ms_per_step": 1e3 * s / steps,
-        }
-        for label, (n, s) in sorted(totals.items(), key=lambda kv: -kv[1][1])
-        if n
-    ]
+    rows = timing_rows(totals, steps)
     print(f"{opts.tree}, {opts.threads} threads, {steps} steps (inclusive wall times)")
-    for r in rows:
-        print(
-            f"{r['function']:34s} {r['calls_per_step']:5.2f}/step {r['us_per_call']:9.1f} us/call "
-            f"{r['ms_per_step']:7.3f} ms/step"
-        )
+    print_timing_rows(rows, 34)
     return {"tree": opts.tree, "steps": steps}, rows
 
 
@@ -448,16 +457,7 @@ def profile_vllm(opts):
         tokens += len(out[0].outputs[0].token_ids)
     wall = time.perf_counter() - t0
     steps = totals["GPUModelRunner.execute_model"][0]
-    rows = [
-        {
-            "function": label,
-            "calls_per_step": n / steps,
-            "us_per_call": 1e6 * s / n,
-            "ms_per_step": 1e3 * s / steps,
-        }
-        for label, (n, s) in sorted(totals.items(), key=lambda kv: -kv[1][1])
-        if n
-    ]
+    rows = timing_rows(totals, steps)
     meta = {
         "vllm_config": opts.vllm_config,
         "dtype": opts.dtype,
@@ -471,11 +471,7 @@ def profile_vllm(opts):
         f"vLLM {opts.vllm_config} ({opts.dtype}), {steps} steps, {tokens / steps:.2f} tokens/step, "
         f"{1e3 * wall / steps:.2f} ms/step, {tokens / wall:.2f} tok/s (inclusive wall times)"
     )
-    for r in rows:
-        print(
-            f"{r['function']:44s} {r['calls_per_step']:5.2f}/step {r['us_per_call']:9.1f} us/call "
-            f"{r['ms_per_step']:7.3f} ms/step"
-        )
+    print_timing_rows(rows, 44)
     return meta, rows
 
 

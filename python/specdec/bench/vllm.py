@@ -584,21 +584,11 @@ def _goals(result: dict, vllm: dict) -> dict:
     ours_n = {k: v["tokens_per_s"] for k, v in vllm["specdec_concurrent"].items()}
     theirs1 = {k: v["tokens_per_s"] for k, v in vllm["batch1"].items()}
     theirs_n = {k: v["tokens_per_s"] for k, v in vllm["concurrent"].items()}
-    goals = {}
-    for label, ours, theirs, target in (
-        ("batch1", ours1, theirs1, 2.0),
-        (f"concurrent{vllm['config']['concurrency']}", ours_n, theirs_n, 1.3),
-    ):
-        if ours and theirs:
-            a, b = max(ours, key=ours.get), max(theirs, key=theirs.get)
-            goals[label] = {
-                "specdec_best": a,
-                "specdec_tokens_per_s": ours[a],
-                "vllm_best": b,
-                "vllm_tokens_per_s": theirs[b],
-                "ratio": ours[a] / theirs[b],
-                "target": target,
-            }
+    concurrency = vllm["config"]["concurrency"]
+    goals = {
+        "batch1": _best_ratio(ours1, theirs1, 2.0),
+        f"concurrent{concurrency}": _best_ratio(ours_n, theirs_n, 1.3),
+    }
     # specdec's trees inside vLLM against vLLM's own best chain with the same heads (1.3x)
     # and vLLM plain (2x at batch 1, at most 3 % slower at the concurrency)
     trees = {
@@ -608,26 +598,29 @@ def _goals(result: dict, vllm: dict) -> dict:
     for label, table, base, target in (
         ("trees_batch1_vs_vllm_chain", theirs1, chains, 1.3),
         ("trees_batch1_vs_vllm_plain", theirs1, {"vllm_plain"}, 2.0),
-        (
-            f"trees_concurrent{vllm['config']['concurrency']}_vs_vllm_plain",
-            theirs_n,
-            {"vllm_plain"},
-            0.97,
-        ),
+        (f"trees_concurrent{concurrency}_vs_vllm_plain", theirs_n, {"vllm_plain"}, 0.97),
     ):
-        ours_t = {k: table[k] for k in trees if k in table}
-        base_t = {k: table[k] for k in base if k in table}
-        if ours_t and base_t:
-            a, b = max(ours_t, key=ours_t.get), max(base_t, key=base_t.get)
-            goals[label] = {
-                "specdec_best": a,
-                "specdec_tokens_per_s": ours_t[a],
-                "vllm_best": b,
-                "vllm_tokens_per_s": base_t[b],
-                "ratio": ours_t[a] / base_t[b],
-                "target": target,
-            }
-    return goals
+        goals[label] = _best_ratio(
+            {k: table[k] for k in trees if k in table},
+            {k: table[k] for k in base if k in table},
+            target,
+        )
+    return {label: goal for label, goal in goals.items() if goal is not None}
+
+
+def _best_ratio(ours: dict, theirs: dict, target: float) -> dict | None:
+    """The best of ours over the best of theirs ({name: tokens/s}); None when either is empty."""
+    if not ours or not theirs:
+        return None
+    a, b = max(ours, key=ours.get), max(theirs, key=theirs.get)
+    return {
+        "specdec_best": a,
+        "specdec_tokens_per_s": ours[a],
+        "vllm_best": b,
+        "vllm_tokens_per_s": theirs[b],
+        "ratio": ours[a] / theirs[b],
+        "target": target,
+    }
 
 
 def _merge(result: dict, vllm: dict) -> None:
