@@ -149,21 +149,24 @@ def _dense_attention(q, k_all, v_all, allowed, scale):
     return torch.einsum("hns,shd->nhd", scores.softmax(-1), v)
 
 
-def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_step):
+@pytest.mark.parametrize("chunk", [4, 5], ids=["ragged", "dense"])
+def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_step, chunk):
+    """Row 0 a prefill chunk of `chunk` tokens, row 1 a 5-node tree: ragged rows go through
+    the padded batch, rows of one length (dense) straight through."""
     torch.manual_seed(0)
     Hq, Hkv, D, block_size, num_blocks = 4, 2, 16, 8, 12
     kv_cache = torch.randn(num_blocks, Hkv, block_size, 2 * D)  # vLLM's per-layer allocation
     block_table = torch.tensor([[5, 2, 9], [0, 7, 3]], dtype=torch.int32)
-    cache_lens = [6, 11]  # row 0: a 4-token prefill chunk; row 1: a 5-node tree
-    query_lens = [4, 5]
+    cache_lens = [6, 11]
+    query_lens = [chunk, 5]
     tree = [-1, 0, 0, 1, 2]
     tree_step.update(parents={1: tree})
-    starts = [0, 4, 9]
+    starts = [0, chunk, chunk + 5]
     N = starts[-1]
     positions = torch.tensor(
-        [cache_lens[0] + i for i in range(4)] + [cache_lens[1] + i for i in range(5)]
+        [cache_lens[0] + i for i in range(chunk)] + [cache_lens[1] + i for i in range(5)]
     )
-    req = torch.tensor([0] * 4 + [1] * 5)
+    req = torch.tensor([0] * chunk + [1] * 5)
     slots = block_table.long()[req, positions // block_size] * block_size + positions % block_size
     meta = SimpleNamespace(
         num_reqs=2,
@@ -177,12 +180,18 @@ def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_ste
 
     builder = object.__new__(TreeAttentionMetadataBuilder)
     attn_metadata = builder.build(0, meta)
+    assert attn_metadata.dense == (chunk == 5)
     impl = TreeAttentionImpl(Hq, D, D**-0.5, Hkv, None, None, "auto")
     q, k, v = torch.randn(N, Hq, D), torch.randn(N, Hkv, D), torch.randn(N, Hkv, D)
     before = kv_cache.clone()
-    impl.do_kv_cache_update(None, k, v, kv_cache, slots)
+    layer = SimpleNamespace()  # vLLM's layer: the backend keeps its cache views on it
+    # one padding token past the real ones (vLLM's slot -1): written nowhere
+    k_pad, v_pad = torch.cat((k, torch.randn(1, Hkv, D))), torch.cat((v, torch.randn(1, Hkv, D)))
+    impl.do_kv_cache_update(
+        layer, k_pad, v_pad, kv_cache, torch.cat((slots, slots.new_full((1,), -1)))
+    )
     output = torch.zeros(N, Hq * D)
-    impl.forward(None, q, k, v, kv_cache, attn_metadata, output)
+    impl.forward(layer, q, k, v, kv_cache, attn_metadata, output)
 
     k_old, v_old = kv_views(before, D)
     for b in range(2):
@@ -205,10 +214,15 @@ def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_ste
             output[rows].view(n, Hq, D).double(), expected, rtol=1e-5, atol=1e-5
         )
     # the new K/V went to vLLM's slots, nothing else moved
-    k_new, _ = kv_views(kv_cache, D)
+    k_new, v_new = kv_views(kv_cache, D)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     for t in range(N):
         blk, row = divmod(int(slots[t]), block_size)
         torch.testing.assert_close(k_new[blk, row], k[t])
+        torch.testing.assert_close(v_new[blk, row], v[t])
+        written[blk, row] = True
+    assert torch.equal(k_new[~written], k_old[~written])
+    assert torch.equal(v_new[~written], v_old[~written])
 
 
 def test_sampler_tree_path_accepts_the_greedy_walk(tree_step):

@@ -44,15 +44,18 @@ def _backend_base():
 class TreeAttentionMetadata:
     """One step's rows as tree_verify takes them (B rows padded to T nodes).
 
-    batch_rows: [N] int64, each real (row, node)'s place b * T + i in the padded batch;
-    tokens: [N] int64, its token in vLLM's flat order; cache_lens, num_nodes: [B] int32;
-    tree_mask: [B, T, ceil(T / 64)]; block_table: [B, max_blocks]; slot_mapping: [N]."""
+    batch_rows: [N] int64, the place b * T + i in the padded batch of vLLM's flat token n
+    (row b's tokens are consecutive in vLLM's order, so token n is the n-th real node);
+    dense: every row has T tokens (N = B * T, batch_rows = arange: a plain decode step, or
+    trees of one size), so the flat tokens are the padded batch as they are; cache_lens,
+    num_nodes: [B] int32; tree_mask: [B, T, ceil(T / 64)]; block_table: [B, max_blocks];
+    slot_mapping: [N]."""
 
     num_actual_tokens: int
     B: int
     T: int
     batch_rows: torch.Tensor
-    tokens: torch.Tensor
+    dense: bool
     cache_lens: torch.Tensor
     num_nodes: torch.Tensor
     tree_mask: torch.Tensor
@@ -84,14 +87,13 @@ class TreeAttentionMetadataBuilder:
         # once per step, not per layer: where each token sits in the padded [B, T] batch
         node = torch.arange(T)
         batch_rows = (node[None, :] < query_lens[:, None]).reshape(-1).nonzero().squeeze(1)
-        tokens = (starts[:B, None] + node[None, :]).reshape(-1)[batch_rows]
         trees.note_block_table(m.block_table_tensor[:B])
         return TreeAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             B=B,
             T=T,
             batch_rows=batch_rows,
-            tokens=tokens,
+            dense=len(batch_rows) == B * T == m.num_actual_tokens,
             cache_lens=(seq_lens - query_lens).to(torch.int32),
             num_nodes=num_nodes,
             tree_mask=tree_mask,
@@ -141,17 +143,14 @@ class TreeAttentionImpl:
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Writes key / value [N, Hkv, D] at vLLM's slots (block * block_size + row)."""
-        k_cache, v_cache = kv_views(kv_cache, self.head_size)
-        block_size = k_cache.shape[1]
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.long()
-        keep = slots >= 0  # vLLM marks padding tokens' slots -1
-        blocks, rows = slots // block_size, slots % block_size
-        if not bool(keep.all()):
-            blocks, rows = blocks[keep], rows[keep]
-            key, value = key[:n][keep], value[:n][keep]
-        k_cache[blocks, rows] = key[: len(blocks)].to(k_cache.dtype)
-        v_cache[blocks, rows] = value[: len(blocks)].to(v_cache.dtype)
+        k_cache, v_cache = _layer_kv_views(layer, kv_cache, self.head_size)
+        blocks, rows, keep = _slot_indices(slot_mapping, k_cache.shape[1])
+        if keep is None:
+            key, value = key[: len(blocks)], value[: len(blocks)]
+        else:
+            key, value = key.index_select(0, keep), value.index_select(0, keep)
+        k_cache[blocks, rows] = key.to(k_cache.dtype)
+        v_cache[blocks, rows] = value.to(v_cache.dtype)
 
     def forward(
         self,
@@ -171,10 +170,13 @@ class TreeAttentionImpl:
             return output
         m = attn_metadata
         N = m.num_actual_tokens
-        k_cache, v_cache = kv_views(kv_cache, self.head_size)
+        k_cache, v_cache = _layer_kv_views(layer, kv_cache, self.head_size)
         q = query[:N].view(N, self.num_heads, self.head_size)
-        q_batch = q.new_zeros(m.B * m.T, self.num_heads, self.head_size)
-        q_batch[m.batch_rows] = q[m.tokens]
+        if m.dense:  # the flat tokens are the padded batch: no copies (profile_step --part vllm)
+            q_batch = q
+        else:
+            q_batch = q.new_zeros(m.B * m.T, self.num_heads, self.head_size)
+            q_batch.index_copy_(0, m.batch_rows, q)
         out = torch.ops.specdec.tree_verify(
             q_batch.view(m.B, m.T, self.num_heads, self.head_size),
             k_cache,
@@ -187,8 +189,43 @@ class TreeAttentionImpl:
         )
         flat = out.reshape(m.B * m.T, self.num_heads * self.head_size)
         result = output[:N].view(N, self.num_heads * self.head_size)
-        result[m.tokens] = flat[m.batch_rows].to(result.dtype)
+        if m.dense:
+            result.copy_(flat)
+        else:
+            result.copy_(flat.index_select(0, m.batch_rows))
         return output
+
+
+def _layer_kv_views(layer, kv_cache: torch.Tensor, head_size: int):
+    """kv_views of the layer's cache, kept on the layer: its cache lives as long as the engine,
+    and building the views costs more than writing a decode step's K / V (profile_step.py
+    --part vllm)."""
+    if layer is None:  # called without vLLM's layer (tests): nowhere to keep them
+        return kv_views(kv_cache, head_size)
+    held = getattr(layer, "_specdec_kv_views", None)
+    if held is None or held[0] is not kv_cache:
+        held = (kv_cache, *kv_views(kv_cache, head_size))
+        layer._specdec_kv_views = held
+    return held[1], held[2]
+
+
+# the last step's slot indices: every layer of a step gets the same slot_mapping tensor, the
+# first layer computes them (holding the tensor, so its identity stays unique)
+_slots: list = [None, 0, None]
+
+
+def _slot_indices(slot_mapping: torch.Tensor, block_size: int):
+    """vLLM's slots [N] -> (blocks, rows) [M] of the real ones and keep: None when all N are
+    real, else the indices of the real ones (vLLM marks padding tokens' slots -1)."""
+    if _slots[0] is not slot_mapping or _slots[1] != block_size:
+        slots = slot_mapping.long()
+        real = slots >= 0
+        keep = None
+        if not bool(real.all()):
+            keep = real.nonzero().squeeze(1)
+            slots = slots.index_select(0, keep)
+        _slots[:] = [slot_mapping, block_size, (slots // block_size, slots % block_size, keep)]
+    return _slots[2]
 
 
 def backend_class():
