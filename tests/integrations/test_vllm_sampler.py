@@ -72,8 +72,8 @@ def _greedy_inputs(num_draft_tokens, vocab, gen):
 
 @pytest.mark.parametrize(
     "num_draft_tokens",
-    [[4] * 6, [1], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4] * 3, [3, 0, 1, 3, 2], [0, 2]],
-    ids=["uniform", "one-draft", "batch-36", "mixed", "with-empty"],
+    [[4] * 6, [1], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4] * 3, [3, 0, 1, 3, 2], [0, 2], [0] * 3],
+    ids=["uniform", "one-draft", "batch-36", "mixed", "with-empty", "no-drafts"],
 )
 def test_greedy_equals_vllm(vllm_sampling, num_draft_tokens, _fresh_seed):
     _, own, sampler = vllm_sampling

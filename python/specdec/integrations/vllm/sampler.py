@@ -79,6 +79,8 @@ def rejection_sample(
             use_fp64_gumbel=use_fp64_gumbel,
         )
     B, K = len(num_draft_tokens), max_spec_len
+    if K == 0:  # no drafts in the step: every request emits its bonus token, vLLM's sample
+        return bonus_token_ids.view(B, 1).to(torch.int32)
     device = target_logits.device
     fixed = _fixed_inputs(B, K, str(device))
     temperature = (

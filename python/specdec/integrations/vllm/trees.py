@@ -94,6 +94,15 @@ def install() -> None:
         return result
 
     def _sample(self, logits, spec_decode_metadata):
+        if (
+            _tree_runner(self)
+            and spec_decode_metadata is not None
+            and spec_decode_metadata.max_spec_len == 0
+        ):
+            # no drafts in the step (the adaptive policy went plain, or nothing matched):
+            # one logits row per request, sampled as vLLM samples a plain step (its rejection
+            # sampler would copy them out and sample the same tokens as bonus tokens)
+            spec_decode_metadata = None
         out = sample(self, logits, spec_decode_metadata)
         if _tree_runner(self):
             if spec_decode_metadata is not None:
