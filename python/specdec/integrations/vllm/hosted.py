@@ -22,7 +22,9 @@ which costs acceptance, never exactness (any tree is verified by tree_rejection_
 Drafts are deterministic (greedy drafting, point masses), so sampled requests stay exact too.
 
 Adaptive trees (tree spec "adaptive[:D,K,N]") size every step with specdec's Policy: its cost
-model is measured on specdec's own forward of the same checkpoint at start-up and calibrated
+model is measured on specdec's own forward of the same checkpoint at start-up, at batch 1 and
+up to the engine's max_num_seqs (POLICY_MAX_BATCH at most), priced at each step's live
+occupancy and calibrated
 by the measured wall time of vLLM's steps (Policy.observe_time), and a step the policy finds
 not worth speculating drafts nothing (vLLM then runs a plain step).
 """
@@ -40,6 +42,11 @@ from specdec.speculation.trees import BatchSampling, TreeSpec
 
 MAX_SLOTS = 64  # drafter slots (head caches) at most; requests past them draft nothing
 HEAD_BLOCK_SIZE = 16  # the head cache's block size (its own cache, not vLLM's)
+# the largest batch the adaptive policy's cost model is measured at (also at 1 and about
+# half of it): the policy prices a step at its live occupancy, so under load it sees that big
+# trees cost more than they earn and goes plain; past this batch it prices the largest
+# measured one. Bounded for start-up time (each size is a few target forwards).
+POLICY_MAX_BATCH = 32
 
 
 @dataclass
@@ -106,7 +113,8 @@ class DrafterProposer:
         if drafter.adaptive and self.tree.kind == "adaptive":
             from specdec.speculation.policy import Policy
 
-            cost = drafter.measure_cost(model, self.tree, 1)
+            batch = min(self.num_slots, POLICY_MAX_BATCH)
+            cost = drafter.measure_cost(model, self.tree, batch)
             self.policy = Policy(cost, self.tree, calibrate=True)
 
     def vllm_aux_layers(self) -> tuple:
@@ -145,14 +153,14 @@ class DrafterProposer:
             if path is None:  # vLLM kept more drafts than proposed, or a foreign tree
                 self._forget(req_id)
                 continue
-            commits.append((r, path, emitted, step.hidden[rows], step.aux_rows(rows), k))
+            commits.append((r, path, emitted, step.starts[b], k))
             r.next_position = computed + len(emitted)
         for req_id in step.finished:
             self._forget(req_id)
         if starts:
             self._start(starts)
         if commits:
-            self._commit(commits)
+            self._commit(commits, step)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
         """One draft list per batch row (node tokens, root excluded, parents before children);
@@ -234,36 +242,47 @@ class DrafterProposer:
             [True] * len(starts),
         )
 
-    def _commit(self, commits: list) -> None:
-        """Drafter.commit of the decode rows, their trees padded to the widest."""
+    def _commit(self, commits: list, step: "HostedStep") -> None:
+        """Drafter.commit of the decode rows (r, path, emitted, first hidden row, k), their
+        trees padded to the widest. Built in numpy and gathered in one index_select each: at
+        32 rows, per-row tensors cost ~2.5 ms a step (profile_step.py --part vllm)."""
         B = len(commits)
         T = max(k + 1 for *_, k in commits)
-        dim = commits[0][3].shape[-1]
-        aux_dim = commits[0][4].shape[-1]
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        parents = torch.full((B, T), -1, dtype=torch.int32)
-        confidence = torch.ones(B, T)
-        accepted = torch.full((B, T), -1, dtype=torch.int32)
-        output = torch.full((B, T), -1, dtype=torch.int32)
-        hidden = torch.zeros(B, T, dim)
-        aux = torch.zeros(B, T, aux_dim)
-        num_nodes = torch.zeros(B, dtype=torch.int32)
-        num_accepted = torch.zeros(B, dtype=torch.int32)
+        tokens = np.zeros((B, T), dtype=np.int64)
+        parents = np.full((B, T), -1, dtype=np.int32)
+        confidence = np.ones((B, T), dtype=np.float32)
+        accepted = np.full((B, T), -1, dtype=np.int32)
+        output = np.full((B, T), -1, dtype=np.int32)
+        num_nodes = np.zeros(B, dtype=np.int32)
+        num_accepted = np.zeros(B, dtype=np.int32)
+        src, dst = [], []  # hidden rows of the step -> rows of the padded [B * T] batch
         speculative_rows = []
-        for b, (r, path, emitted, h, x, k) in enumerate(commits):
+        for b, (r, path, emitted, first, k) in enumerate(commits):
             toks, pars, conf = r.proposal
-            tokens[b, : k + 1] = torch.tensor(toks[: k + 1])
-            parents[b, : k + 1] = torch.tensor(pars[: k + 1], dtype=torch.int32)
+            tokens[b, : k + 1] = toks[: k + 1]
+            parents[b, : k + 1] = pars[: k + 1]
             if conf is not None:
-                confidence[b, : k + 1] = torch.tensor(conf[: k + 1])
+                confidence[b, : k + 1] = conf[: k + 1]
                 if k:
                     speculative_rows.append(b)
-            accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int32)
-            output[b, : len(emitted)] = torch.tensor(emitted, dtype=torch.int32)
-            hidden[b, : k + 1] = h.float()
-            aux[b, : k + 1] = x.float()
+            accepted[b, : len(path)] = path
+            output[b, : len(emitted)] = emitted
+            src.extend(range(first, first + k + 1))
+            dst.extend(range(b * T, b * T + k + 1))
             num_nodes[b], num_accepted[b] = k + 1, len(path) - 1
             r.proposal = None
+        src_rows, dst_rows = torch.tensor(src), torch.tensor(dst)
+        hidden = step.hidden.new_zeros(B * T, step.hidden.shape[-1], dtype=torch.float32)
+        hidden.index_copy_(0, dst_rows, step.hidden.index_select(0, src_rows).float())
+        aux_dim = 0 if step.aux is None else step.aux.shape[-1]
+        aux = step.hidden.new_zeros(B * T, aux_dim, dtype=torch.float32)
+        if aux_dim:
+            aux.index_copy_(0, dst_rows, step.aux.index_select(0, src_rows).float())
+        tokens, parents = torch.from_numpy(tokens), torch.from_numpy(parents)
+        confidence, accepted = torch.from_numpy(confidence), torch.from_numpy(accepted)
+        output, num_nodes = torch.from_numpy(output), torch.from_numpy(num_nodes)
+        num_accepted = torch.from_numpy(num_accepted)
+        hidden, aux = hidden.view(B, T, -1), aux.view(B, T, aux_dim)
         slots = torch.tensor([c[0].slot for c in commits], dtype=torch.long)
         proposal = Proposal(tokens, parents, num_nodes, None, confidence)
         if self.policy is not None:
