@@ -15,6 +15,10 @@ Servers (--servers, default all; a server whose software is missing is reported 
     specdec-eagle+ngram  specdec serve --method eagle+ngram --tree adaptive
     vllm-plain           python -m vllm.entrypoints.openai.api_server
     vllm-ngram           the same with --speculative-config ngram (its prompt-lookup method)
+    vllm-eagle           the same with vLLM's EAGLE chain (3 drafts) and specdec's exported
+                         EAGLE-2 head: speculative_config("eagle", num_speculative_tokens=3)
+    vllm-specdec-trees   the same with specdec's trees inside vLLM's step, the documented
+                         config: speculative_config("eagle+ngram", tree="adaptive")
     llamacpp-bf16        python -m llama_cpp.server, the bf16 GGUF (llama-cpp-python[server])
     llamacpp-q4_1        the same on the shipped Q4_1 GGUF
 
@@ -46,10 +50,12 @@ SERVERS = (
     "specdec-eagle+ngram",
     "vllm-plain",
     "vllm-ngram",
+    "vllm-eagle",
+    "vllm-specdec-trees",
     "llamacpp-bf16",
     "llamacpp-q4_1",
 )
-DEFAULT_VLLM_PYTHON = "/work/venv-vllm/bin/python"
+DEFAULT_VLLM_PYTHON = sys.executable  # vLLM installed beside specdec (pip install '.[vllm]')
 # run in vLLM's environment: one `vllm bench serve` point -> its result JSON (lists dropped)
 CLIENT = r"""
 import json, sys
@@ -204,6 +210,15 @@ def server_command(name, opts, port, files):
                 "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1,
             }
+            argv += ["--speculative-config", json.dumps(spec)]
+        elif name in ("vllm-eagle", "vllm-specdec-trees"):
+            from specdec.integrations.vllm import speculative_config
+
+            spec = (
+                speculative_config("eagle", num_speculative_tokens=3)
+                if name == "vllm-eagle"
+                else speculative_config("eagle+ngram", tree="adaptive")
+            )
             argv += ["--speculative-config", json.dumps(spec)]
         return argv, env
     probe = subprocess.run(
@@ -370,7 +385,7 @@ def measure_server(name, opts, files, workdir, dataset_path, log_dir) -> tuple[l
 
 # ---------------------------------------------------------------------- the goals
 SPECDEC = ("specdec-plain", "specdec-eagle+ngram")
-VLLM = ("vllm-plain", "vllm-ngram")
+VLLM = ("vllm-plain", "vllm-ngram", "vllm-eagle")  # vLLM's own methods
 ADAPTIVE_TOLERANCE = 0.97  # adaptive mode: never more than 3% below plain
 
 
@@ -427,6 +442,17 @@ def goal_checks(rows) -> list:
             check(f"adaptive vs plain, {what} (concurrency {point[0]}, rate {point[1]})",
                   adaptive[0] if adaptive else None, plain, key, ADAPTIVE_TOLERANCE,
                   lowest)  # fmt: skip
+    # specdec's trees inside vLLM (docs/integration.md, Trees inside vLLM): never more than 3%
+    # below vLLM plain at any point; P99 TTFT no worse than vLLM's EAGLE chain
+    for plain in [r for r in done if r["server"] == "vllm-plain"]:
+        point = (plain["concurrency"], plain["rate"])
+        trees = at(("vllm-specdec-trees",), *point)
+        check(f"trees in vLLM vs vLLM plain, tok/s (concurrency {point[0]}, rate {point[1]})",
+              trees[0] if trees else None, plain, "out_tok_s", ADAPTIVE_TOLERANCE)  # fmt: skip
+        chain = at(("vllm-eagle",), *point)
+        check(f"trees in vLLM vs vLLM EAGLE chain, P99 TTFT (concurrency {point[0]}, "
+              f"rate {point[1]})", trees[0] if trees else None, chain[0] if chain else None,
+              "ttft_p99", 1.0, True)  # fmt: skip
     return checks
 
 

@@ -394,7 +394,9 @@ VLLM_TIMED = [
 ] + [
     ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "do_kv_cache_update"),
     ("specdec.integrations.vllm.attention", "TreeAttentionImpl", "forward"),
+    ("specdec.integrations.vllm.attention", "TreeAttentionImpl", "do_kv_cache_update"),
     ("specdec.integrations.vllm.attention", "TreeAttentionMetadataBuilder", "build"),
     ("specdec.integrations.vllm.trees", None, "_place_tree_nodes"),
     ("specdec.integrations.vllm.trees", None, "_hand_over_step"),
@@ -405,8 +407,9 @@ VLLM_TIMED = [
 
 
 def profile_vllm(opts):
-    """--part vllm: a warm in-process vLLM engine's steps at batch size 1, function by
-    function, with specdec's trees (--vllm-config) or without (plain)."""
+    """--part vllm: a warm in-process vLLM engine's steps at batch size 1 (or --concurrency
+    requests submitted at once), function by function, with specdec's trees (--vllm-config)
+    or without (plain)."""
     import importlib
     import os
 
@@ -425,6 +428,8 @@ def profile_vllm(opts):
     ]
     if opts.vllm_config == "plain":
         spec = None
+    elif opts.vllm_config == "backend":  # the tree backend, no drafts (no prompt matches)
+        spec = speculative_config("ngram", tree=True, ngram_min=64, ngram_max=64)
     else:
         method, _, tree = opts.vllm_config.partition(":")
         if tree == "chain":  # vLLM's own chain method with specdec's exported head
@@ -438,8 +443,8 @@ def profile_vllm(opts):
         seed=0,
         enforce_eager=True,
         max_model_len=max(len(q) for q in prompts) + opts.max_new_tokens + 16 + drafts,
-        max_num_seqs=1,
-        kv_cache_memory_bytes=256 << 20,
+        max_num_seqs=opts.concurrency,
+        kv_cache_memory_bytes=max(256, 32 * opts.concurrency) << 20,
         speculative_config=spec,
     )
     params = VllmSampling(temperature=0.0, max_tokens=opts.max_new_tokens, ignore_eos=True)
@@ -451,16 +456,22 @@ def profile_vllm(opts):
         holder = getattr(holder, owner) if owner else holder
         timed_functions.append((holder, name))
     instrument(totals, timed_functions)
+    # batch 1: one request at a time; else --concurrency requests (the prompts cycled) at once
+    if opts.concurrency == 1:
+        batches = [[q] for q in prompts]
+    else:
+        batches = [[prompts[i % len(prompts)] for i in range(opts.concurrency)]]
     tokens, t0 = 0, time.perf_counter()
-    for q in prompts:
-        out = llm.generate([{"prompt_token_ids": q}], params, use_tqdm=False)
-        tokens += len(out[0].outputs[0].token_ids)
+    for batch in batches:
+        outs = llm.generate([{"prompt_token_ids": q} for q in batch], params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     steps = totals["GPUModelRunner.execute_model"][0]
     rows = timing_rows(totals, steps)
     meta = {
         "vllm_config": opts.vllm_config,
         "dtype": opts.dtype,
+        "concurrency": opts.concurrency,
         "steps": steps,
         "tokens": tokens,
         "tokens_per_step": tokens / steps,
@@ -468,7 +479,8 @@ def profile_vllm(opts):
         "ms_per_step": 1e3 * wall / steps,
     }
     print(
-        f"vLLM {opts.vllm_config} ({opts.dtype}), {steps} steps, {tokens / steps:.2f} tokens/step, "
+        f"vLLM {opts.vllm_config} ({opts.dtype}, {opts.concurrency} at once), {steps} steps, "
+        f"{tokens / steps:.2f} tokens/step, "
         f"{1e3 * wall / steps:.2f} ms/step, {tokens / wall:.2f} tok/s (inclusive wall times)"
     )
     print_timing_rows(rows, 44)
@@ -509,11 +521,13 @@ def main():
     engine.add_argument("--num-prompts", type=int, default=8)
     engine.add_argument("--max-new-tokens", type=int, default=128)
     vllm = p.add_argument_group("--part vllm (also --num-prompts, --max-new-tokens, --dtype)")
+    vllm.add_argument("--concurrency", type=int, default=1, help="requests at once")
     vllm.add_argument(
         "--vllm-config",
         default="eagle+ngram:adaptive",
-        help="'plain', METHOD[:TREE] for speculative_config(METHOD, tree=TREE or True), or "
-        "METHOD:chain for vLLM's own chain method (speculative_config(METHOD))",
+        help="'plain', 'backend' (specdec's attention backend, no drafts), METHOD[:TREE] for "
+        "speculative_config(METHOD, tree=TREE or True), or METHOD:chain for vLLM's own "
+        "chain method (speculative_config(METHOD))",
     )
     opts = p.parse_args()
     if opts.threads is None:
