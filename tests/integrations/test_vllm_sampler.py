@@ -135,12 +135,18 @@ def _sample_copies(layout, seed):
     return out.sampled_token_ids, rows, drafts
 
 
-def _processed(rows):
+# (temperature, top-k or None, top-p) of the sampled requests
+SAMPLING = (0.8, 6, 0.9)
+
+
+def _processed(rows, sampling=SAMPLING):
     """The target distribution of each row as vLLM processes it: / temperature, top-k, top-p."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     n = len(rows)
-    x = apply_top_k_top_p(rows / 0.8, torch.full((n,), 6), torch.full((n,), 0.9))
+    temperature, top_k, top_p = sampling
+    k = None if top_k is None else torch.full((n,), top_k)
+    x = apply_top_k_top_p(rows / temperature, k, torch.full((n,), top_p))
     return torch.softmax(x.double(), dim=-1)
 
 
@@ -270,9 +276,9 @@ def tree_step():
     trees._step.update(saved)
 
 
-def _tree_copies(trees, seed):
+def _tree_copies(trees, seed, sampling):
     """N copies of the TREE problem through vLLM's RejectionSampler.forward in a tree step
-    (temperature 0.8, top-k 6, top-p 0.9) -> (output [N, 4], the 4 logits rows, (a, b, c))."""
+    (sampling: temperature, top-k, top-p) -> (output [N, 4], the 4 logits rows, (a, b, c))."""
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
@@ -282,19 +288,20 @@ def _tree_copies(trees, seed):
     nodes = (int(order[0, 0]), int(order[0, 1]), int(order[1, 0]))
     drafts = torch.tensor(nodes * N, dtype=torch.int32)
     trees._step["parents"] = {b: TREE for b in range(N)}
-    meta = _metadata(N, temperature=0.8, top_k=6, top_p=0.9)
+    temperature, top_k, top_p = sampling
+    meta = _metadata(N, temperature=temperature, top_k=top_k, top_p=top_p)
     spec = _spec_metadata([len(TREE) - 1] * N, drafts)
     out = RejectionSampler(Sampler())(spec, None, rows.repeat(N, 1), meta)
     trees._step["parents"] = {}
     return out.sampled_token_ids, rows, nodes
 
 
-def _tree_fit(out, rows, nodes):
+def _tree_fit(out, rows, nodes, sampling):
     """p-values of every emitted position against the target at the node it follows: the
     first token at the root, the next after a, after b (a sibling's path) and after a-c.
     A position with fewer than 500 samples (a path the sampler never takes) fails."""
     a, b, c = nodes
-    p = _processed(rows)
+    p = _processed(rows, sampling)
     cases = {
         "first": (out[:, 0], p[0]),
         "after a": (out[out[:, 0] == a, 1], p[1]),
@@ -304,16 +311,25 @@ def _tree_fit(out, rows, nodes):
     return {k: _pvalue(s, q) if len(s) >= 500 else 0.0 for k, (s, q) in cases.items()}
 
 
-def test_tree_step_samples_the_targets_distribution(installed, tree_step, _fresh_seed):
-    pvalues = _tree_fit(*_tree_copies(tree_step, _fresh_seed))
+TREE_SAMPLING = pytest.mark.parametrize(
+    "sampling", [SAMPLING, (1.0, None, 0.9)], ids=["t0.8-topk-topp", "t1-topp"]
+)
+
+
+@TREE_SAMPLING
+def test_tree_step_samples_the_targets_distribution(installed, tree_step, sampling, _fresh_seed):
+    out, rows, nodes = _tree_copies(tree_step, _fresh_seed, sampling)
+    pvalues = _tree_fit(out, rows, nodes, sampling)
     assert min(pvalues.values()) > P_MIN_EXACT, pvalues
 
 
+@TREE_SAMPLING
 def test_a_tree_step_sampled_as_chains_fails_the_same_test(
-    installed, tree_step, monkeypatch, _fresh_seed
+    installed, tree_step, monkeypatch, sampling, _fresh_seed
 ):
     """A plausible mistake: the drafted parents never reach the sampler, so the siblings are
     verified as one chain (a -> b -> c) and b's path is never emitted."""
     monkeypatch.setattr(tree_step, "write_step_trees", lambda parents: None)
-    pvalues = _tree_fit(*_tree_copies(tree_step, _fresh_seed))
+    out, rows, nodes = _tree_copies(tree_step, _fresh_seed, sampling)
+    pvalues = _tree_fit(out, rows, nodes, sampling)
     assert min(pvalues.values()) < P_MAX_WRONG, pvalues
