@@ -142,6 +142,12 @@ def parse_args():
     )
     ap.add_argument("--vllm-ngram-tokens", type=int, default=4, help="vLLM ngram: drafts a step")
     ap.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument(
+        "--vllm-enforce-eager",
+        action="store_true",
+        help="vLLM servers without torch.compile (starts in under a minute; as the tree rows "
+        "of bench_vllm_trees.py and docs/integration.md's server)",
+    )
     ap.add_argument("--start-timeout", type=float, default=1200.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a smoke test: 4 short requests, 2 points")
@@ -203,6 +209,8 @@ def server_command(name, opts, port, files):
             "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(maxc),
             "--host", "127.0.0.1", "--port", str(port), "--generation-config", "vllm",
         ]  # fmt: skip
+        if opts.vllm_enforce_eager:
+            argv.append("--enforce-eager")
         if name == "vllm-ngram":
             spec = {
                 "method": "ngram",
