@@ -24,9 +24,8 @@ Drafts are deterministic (greedy drafting, point masses), so sampled requests st
 Adaptive trees (tree spec "adaptive[:D,K,N]") size every step with specdec's Policy: its cost
 model is measured on specdec's own forward of the same checkpoint at start-up, at batch 1 and
 up to the engine's max_num_seqs (POLICY_MAX_BATCH at most), priced at each step's live
-occupancy and calibrated
-by the measured wall time of vLLM's steps (Policy.observe_time), and a step the policy finds
-not worth speculating drafts nothing (vLLM then runs a plain step).
+occupancy and calibrated by the measured wall time of vLLM's steps (Policy.observe_time), and
+a step the policy finds not worth speculating drafts nothing (vLLM then runs a plain step).
 """
 
 import time
