@@ -11,8 +11,9 @@
 // and O^T[d, :] += V[n, d] * P^T[n, :] -- and the online softmax (running max and sum per
 // row, in base 2: scores are scaled by sm_scale * log2(e)) needs no horizontal reduction.
 // Keys are staged tile by tile (kTile positions, resolved through the block table) into
-// small thread-local buffers, converted to float. Prefix positions (< cache_lens[b]) are
-// visible to every row; tree positions only where the row's tree_mask bit is set (tree_mask
+// small thread-local buffers, converted to float; a row panel that sees no key of a tile (a
+// prefill chunk's early rows against its later tiles) skips it. Prefix positions (< cache_lens[b])
+// are visible to every row; tree positions only where the row's tree_mask bit is set (tree_mask
 // rows are mask_words = ceil(T / 64) 64-bit words). The keys are taken in segments of
 // kSegment positions, each a fresh online softmax whose (O, max, sum) is folded into the
 // row's result in order: the same bits whether the segments ran in one task or in parallel
@@ -274,16 +275,48 @@ SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t
 // clear); s is [kTile, Mp], already scaled.
 template <typename scalar_t>
 SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, int64_t b, int64_t p,
-                              int64_t nt) {
+                              int64_t nt, int64_t m0) {
   const int64_t c = P.cache_lens[b], M = P.rows(b);
   const int64_t j0 = std::max<int64_t>(0, c - p);  // first tree column of the tile
-  for (int64_t m = 0; m < M; ++m) {
-    const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group_size) * P.mask_words;
-    for (int64_t j = j0; j < nt; ++j) {
-      const int64_t node = p + j - c;
-      if (!((bits[node / 64] >> (node % 64)) & 1)) s[j * P.Mp + m] = kNegInf;
+  if (j0 >= nt) return;
+  // The tile's tree columns [j0, nt) are nodes n0 .. n0 + nt - j0 - 1 (at most kTile = 64):
+  // one word of visibility bits per node, and only its clear bits are visited (a chain's
+  // rows past the tile see all of it).
+  static_assert(kTile <= 64);
+  const int64_t n0 = p + j0 - c, width = nt - j0;
+  const uint64_t all = width == 64 ? ~uint64_t(0) : (uint64_t(1) << width) - 1;
+  for (int64_t node = m0 / P.group_size; node * P.group_size < M; ++node) {
+    const uint64_t* bits = P.tree_mask + (b * P.T + node) * P.mask_words;
+    const int64_t w = n0 / 64, shift = n0 % 64;
+    uint64_t seen = bits[w] >> shift;
+    if (shift && w + 1 < P.mask_words) seen |= bits[w + 1] << (64 - shift);
+    for (uint64_t hidden = ~seen & all; hidden; hidden &= hidden - 1) {
+      const int64_t j = j0 + __builtin_ctzll(hidden);
+      for (int64_t m = std::max(m0, node * P.group_size); m < (node + 1) * P.group_size; ++m) {
+        s[j * P.Mp + m] = kNegInf;
+      }
     }
   }
+}
+
+// The first query row of request b that may see a key of the tile [p, p + nt): 0 when the
+// tile holds prefix positions (visible to every row), else the first row of the first node
+// whose tree_mask row has a bit among the tile's tree columns (rows(b) when none has).
+template <typename scalar_t>
+SPECDEC_INLINE int64_t first_visible_row(const Problem<scalar_t>& P, int64_t b, int64_t p,
+                                         int64_t nt) {
+  const int64_t c = P.cache_lens[b];
+  if (p < c) return 0;
+  const int64_t n0 = p - c, n1 = n0 + nt;  // the tile's tree columns [n0, n1)
+  for (int64_t node = 0; node < P.num_nodes[b]; ++node) {
+    const uint64_t* bits = P.tree_mask + (b * P.T + node) * P.mask_words;
+    for (int64_t w = n0 / 64; w <= (n1 - 1) / 64; ++w) {
+      const int64_t lo = std::max<int64_t>(n0 - w * 64, 0), hi = std::min<int64_t>(n1 - w * 64, 64);
+      const uint64_t span = hi - lo == 64 ? ~uint64_t(0) : ((uint64_t(1) << (hi - lo)) - 1) << lo;
+      if (bits[w] & span) return node * P.group_size;
+    }
+  }
+  return P.rows(b);
 }
 
 // Online softmax over one tile for rows [0, Mr): turns the scores s[0:nt, :] into
@@ -319,6 +352,61 @@ SPECDEC_INLINE void reset_rows(Workspace& ws, int64_t Mp, int64_t Dp, int64_t Mr
   std::fill(ws.l, ws.l + Mr, 0.f);
 }
 
+// One stage of an in-register transpose of LANES x LANES floats: rows i and i + S swap their
+// off-diagonal blocks of S lanes (all stages, S = LANES / 2 ... 1, transpose the square).
+template <int LANES, int S, bool UPPER, size_t... J>
+SPECDEC_INLINE typename Simd<LANES>::f swap_blocks(typename Simd<LANES>::f a,
+                                                   typename Simd<LANES>::f b,
+                                                   std::index_sequence<J...>) {
+  if constexpr (UPPER) {
+    return __builtin_shufflevector(a, b, ((J & S) ? LANES + J - S : J)...);
+  } else {
+    return __builtin_shufflevector(a, b, ((J & S) ? LANES + J : J + S)...);
+  }
+}
+
+template <int LANES, int S = LANES / 2>
+SPECDEC_INLINE void transpose_square(typename Simd<LANES>::f* v) {
+  if constexpr (S >= 1) {
+    for (int i = 0; i < LANES; ++i) {
+      if (i & S) continue;
+      const auto a = v[i], b = v[i | S];
+      v[i] = swap_blocks<LANES, S, true>(a, b, std::make_index_sequence<LANES>());
+      v[i | S] = swap_blocks<LANES, S, false>(a, b, std::make_index_sequence<LANES>());
+    }
+    transpose_square<LANES, S / 2>(v);
+  }
+}
+
+// Stages the M query rows of (b, h) transposed, qt [D, Mp] as float, rows [M, Mr) zero:
+// float32 head dims of whole vectors LANES x LANES through registers (a scalar transposed
+// store per element touched a cache line each: a fifth of a prefill's attention time).
+template <int LANES, typename scalar_t>
+SPECDEC_INLINE void stage_queries_transposed(const Problem<scalar_t>& P, float* qt, int64_t b,
+                                             int64_t h, int64_t M, int64_t Mr) {
+  using vfloat = typename Simd<LANES>::f;
+  const int64_t D = P.D, Mp = P.Mp;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (D % LANES == 0) {
+      for (int64_t m0 = 0; m0 < Mr; m0 += LANES) {
+        const float* src[LANES];
+        for (int i = 0; i < LANES; ++i) src[i] = m0 + i < M ? P.q_row(b, h, m0 + i) : nullptr;
+        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+          vfloat v[LANES];
+          for (int i = 0; i < LANES; ++i) v[i] = src[i] ? load<LANES>(src[i] + d0) : vfloat{};
+          transpose_square<LANES>(v);
+          for (int i = 0; i < LANES; ++i) store(qt + (d0 + i) * Mp + m0, v[i]);
+        }
+      }
+      return;
+    }
+  }
+  for (int64_t m = 0; m < Mr; ++m) {  // padding rows: zero queries, harmless scores
+    const scalar_t* src = m < M ? P.q_row(b, h, m) : nullptr;
+    for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = src ? static_cast<float>(src[d]) : 0.f;
+  }
+}
+
 // Runs the positions of split s of (b, h) in float; leaves unnormalised o^T, mx and l in ws.
 template <int LANES, typename scalar_t>
 SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
@@ -326,10 +414,7 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
   constexpr int C = kCols<LANES>;
   const int64_t M = P.rows(b), Mr = (M + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
   const int64_t D = P.D, Dp = P.Dp, Mp = P.Mp;
-  for (int64_t m = 0; m < Mr; ++m) {  // padding rows: zero queries, harmless scores
-    const scalar_t* src = m < M ? P.q_row(b, h, m) : nullptr;
-    for (int64_t d = 0; d < D; ++d) ws.qt[d * Mp + m] = src ? static_cast<float>(src[d]) : 0.f;
-  }
+  stage_queries_transposed<LANES>(P, ws.qt, b, h, M, Mr);
   reset_rows(ws, Mp, Dp, Mr);
   const auto [p0, p1] = P.segment_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
@@ -337,14 +422,18 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
     stage_rows(P, P.k, P.k_stride, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, unused
     stage_rows(P, P.v, P.v_stride, ws.vt, b, h, p, nt);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    for (int64_t r = 0; r < Mr; r += 2 * LANES) {
+    // Row panels before r0 see no key of this tile (a prefill chunk's early rows and its
+    // later tiles): skipped, which leaves their (o, max, sum) as a tile of invisible keys
+    // would (alpha 1, probabilities 0).
+    const int64_t r0 = first_visible_row(P, b, p, nt) / (2 * LANES) * (2 * LANES);
+    for (int64_t r = r0; r < Mr; r += 2 * LANES) {
       for (int64_t j = 0; j < nk; j += C) {
         score_block<LANES>(ws.qt + r, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + r);
       }
     }
-    mask_tile(P, ws.s, b, p, nt);
-    softmax_tile<LANES>(ws.s, Mp, Mr, nt, ws.mx, ws.l, ws.alpha);
-    for (int64_t r = 0; r < Mr; r += 2 * LANES) {
+    mask_tile(P, ws.s, b, p, nt, r0);
+    softmax_tile<LANES>(ws.s + r0, Mp, Mr - r0, nt, ws.mx + r0, ws.l + r0, ws.alpha + r0);
+    for (int64_t r = r0; r < Mr; r += 2 * LANES) {
       for (int64_t d = 0; d < Dp; d += C) {
         update_block<LANES>(ws.s + r, ws.vt + d, nt, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
       }
@@ -356,7 +445,9 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
 // A plain decode step asks only group_size rows per KV head (T = 1: typically 1-8), which
 // fill 1-8 of the 2 * LANES lanes of the row-panel kernels above. For at most kFewRows rows
 // the lanes run over keys instead (scores: the K tile staged transposed) and over head dims
-// (output: each V row added to every row's output with its probability broadcast). Each
+// (output: each V row added to every row's output with its probability broadcast, up to 3
+// rows' outputs held in registers while the tile's V rows stream by; float32 K / V rows are
+// read in place, not copied). Each
 // score, probability, sum and output element is computed as the panel kernels compute it
 // (the same operations in the same order, lane for lane), so a row gets the same bits
 // whichever kernel its row count picks: a node's attention in a tree verify is bitwise the
@@ -403,32 +494,6 @@ SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int6
   }
 }
 
-// One stage of an in-register transpose of LANES x LANES floats: rows i and i + S swap their
-// off-diagonal blocks of S lanes (all stages, S = LANES / 2 ... 1, transpose the square).
-template <int LANES, int S, bool UPPER, size_t... J>
-SPECDEC_INLINE typename Simd<LANES>::f swap_blocks(typename Simd<LANES>::f a,
-                                                   typename Simd<LANES>::f b,
-                                                   std::index_sequence<J...>) {
-  if constexpr (UPPER) {
-    return __builtin_shufflevector(a, b, ((J & S) ? LANES + J - S : J)...);
-  } else {
-    return __builtin_shufflevector(a, b, ((J & S) ? LANES + J : J + S)...);
-  }
-}
-
-template <int LANES, int S = LANES / 2>
-SPECDEC_INLINE void transpose_square(typename Simd<LANES>::f* v) {
-  if constexpr (S >= 1) {
-    for (int i = 0; i < LANES; ++i) {
-      if (i & S) continue;
-      const auto a = v[i], b = v[i | S];
-      v[i] = swap_blocks<LANES, S, true>(a, b, std::make_index_sequence<LANES>());
-      v[i | S] = swap_blocks<LANES, S, false>(a, b, std::make_index_sequence<LANES>());
-    }
-    transpose_square<LANES, S / 2>(v);
-  }
-}
-
 // Stages the K rows of positions [p, p + nt) of (b, h) transposed, kt [Dw, kTile] as float
 // (head dims past D and keys past nt zero): LANES rows converted to float front to back (the
 // conversion vectorises), then transposed LANES x LANES in registers.
@@ -436,6 +501,21 @@ template <int LANES, typename scalar_t>
 SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt, int64_t b,
                                           int64_t h, int64_t p, int64_t nt, int64_t Dw) {
   using vfloat = typename Simd<LANES>::f;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (P.D == Dw) {  // float rows of whole vectors: transposed straight from the cache
+      for (int64_t j0 = 0; j0 < nt; j0 += LANES) {
+        const float* src[LANES];
+        for (int i = 0; i < LANES; ++i) src[i] = j0 + i < nt ? P.k_row(b, p + j0 + i, h) : nullptr;
+        for (int64_t d0 = 0; d0 < Dw; d0 += LANES) {
+          vfloat v[LANES];
+          for (int i = 0; i < LANES; ++i) v[i] = src[i] ? load<LANES>(src[i] + d0) : vfloat{};
+          transpose_square<LANES>(v);
+          for (int i = 0; i < LANES; ++i) store(kt + (d0 + i) * kTile + j0, v[i]);
+        }
+      }
+      return;
+    }
+  }
   alignas(64) float rows[LANES * (kFewMaxD + kMaxLanes)];  // [LANES, Dw]
   for (int64_t j0 = 0; j0 < nt; j0 += LANES) {
     for (int i = 0; i < LANES; ++i) {
@@ -452,6 +532,59 @@ SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt,
       for (int i = 0; i < LANES; ++i) v[i] = load<LANES>(rows + i * Dw + d0);
       transpose_square<LANES>(v);
       for (int i = 0; i < LANES; ++i) store(kt + (d0 + i) * kTile + j0, v[i]);
+    }
+  }
+}
+
+// The few-rows kernels' V rows of positions [p, p + nt) of (b, h) as float: float32 rows in
+// place (no copy), other dtypes converted into buf [kTile, D].
+template <int LANES, typename scalar_t>
+SPECDEC_INLINE void stage_values(const Problem<scalar_t>& P, const float** rows, float* buf,
+                                 int64_t b, int64_t h, int64_t p, int64_t nt) {
+  for (int64_t j = 0; j < nt; ++j) {
+    const scalar_t* src = P.v_row(b, p + j, h);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      rows[j] = src;
+    } else {
+      float* dst = buf + j * P.D;
+      for (int64_t d = 0; d < P.D; ++d) dst[d] = static_cast<float>(src[d]);
+      rows[j] = dst;
+    }
+  }
+}
+
+// Rows per call of few_rows_update: MB rows x kFewVecs vectors of outputs, the V vector and
+// the MB probabilities fit the 16 ymm registers of AVX2.
+constexpr int64_t kFewRowBlock = 3;
+template <int LANES>
+constexpr int kFewVecs = LANES == 16 ? 8 : 4;
+
+// o[m, :] += sum_j p[m, j] * v_j[:] for MB rows m (p rows kTile apart, o rows D apart) over
+// the nt keys, D a multiple of LANES: per output element the same FMAs in the same order as
+// the row-at-a-time loop (and the panels' update_block), kFewVecs vectors of every row held
+// in registers while the keys stream by.
+template <int LANES, int MB>
+SPECDEC_INLINE void few_rows_update(const float* const* vrows, const float* p, int64_t nt,
+                                    int64_t D, float* o) {
+  using vfloat = typename Simd<LANES>::f;
+  constexpr int V = kFewVecs<LANES>;
+  for (int64_t d0 = 0; d0 < D; d0 += V * LANES) {
+    const int nv = int(std::min<int64_t>(V, (D - d0) / LANES));
+    vfloat acc[MB][V];
+    for (int m = 0; m < MB; ++m) {
+      for (int v = 0; v < V; ++v)
+        acc[m][v] = v < nv ? load<LANES>(o + m * D + d0 + v * LANES) : vfloat{};
+    }
+    for (int64_t j = 0; j < nt; ++j) {
+      const float* vr = vrows[j] + d0;
+      for (int v = 0; v < V; ++v) {
+        if (v >= nv) break;
+        const vfloat x = load<LANES>(vr + v * LANES);
+        for (int m = 0; m < MB; ++m) acc[m][v] = x * p[m * kTile + j] + acc[m][v];
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      for (int v = 0; v < nv; ++v) store(o + m * D + d0 + v * LANES, acc[m][v]);
     }
   }
 }
@@ -503,6 +636,24 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_
       for (int64_t d = 0; d < Dw; d += LANES) {
         store(o + m * Dw + d, load<LANES>(o + m * Dw + d) * alpha[m]);
       }
+    }
+    if (D == Dw) {  // whole vectors: the outputs stay in registers over the tile's keys
+      const float* vrows[kTile];
+      stage_values<LANES>(P, vrows, ws.vt, b, h, p, nt);
+      for (int64_t m = 0; m < M; m += kFewRowBlock) {
+        switch (std::min<int64_t>(M - m, kFewRowBlock)) {
+          case 1:
+            few_rows_update<LANES, 1>(vrows, sc + m * kTile, nt, D, o + m * Dw);
+            break;
+          case 2:
+            few_rows_update<LANES, 2>(vrows, sc + m * kTile, nt, D, o + m * Dw);
+            break;
+          default:
+            few_rows_update<LANES, 3>(vrows, sc + m * kTile, nt, D, o + m * Dw);
+            break;
+        }
+      }
+      continue;
     }
     for (int64_t j = 0; j < nt; ++j) {
       const scalar_t* vr = P.v_row(b, p + j, h);
@@ -646,7 +797,7 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
         }
       }
     }
-    mask_tile(P, ws.s, b, p, nt);
+    mask_tile(P, ws.s, b, p, nt, 0);
     softmax_tile<16>(ws.s, Mp, Mr, nt, ws.mx, ws.l, ws.alpha);
     pair_probs(ws.s, nt, Mp, Mr, ws.pp);
     for (int64_t r = 0; r < Mr; r += 32) {
@@ -967,9 +1118,16 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       {q.stride(0), q.stride(1), q.stride(2)},
                       {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
                       {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};
-  // Contiguous whatever q's strides (as the fake kernel says); padded rows stay zero.
-  at::Tensor out = at::zeros(q.sizes(), q.options());
-  tree_verify_typed(P, B, out.data_ptr<scalar_t>());
+  // Contiguous whatever q's strides (as the fake kernel says); padded rows are zero. Only
+  // they are cleared: a prefill's whole padded batch is megabytes (profile_step --part vllm).
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t node_elems = Hq * D;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = std::clamp<int64_t>(P.num_nodes[b], 0, T);
+    std::fill(out_ptr + (b * T + n) * node_elems, out_ptr + (b + 1) * T * node_elems, scalar_t(0));
+  }
+  tree_verify_typed(P, B, out_ptr);
   return out;
 }
 

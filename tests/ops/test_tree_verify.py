@@ -108,6 +108,17 @@ def test_block_sizes_and_empty_prefix(block_size, context, device, backend):
     check(make_case(3, 9, 4, 2, 32, block_size, torch.float32, device, cache_lens=lens), backend)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_chains(dtype, device, backend):
+    """Prefill chunks as chains of 150 nodes, 9 query / 3 KV heads: key tiles past a row panel's
+    last node are skipped by the CPU kernel, and tiles straddle the prefix (cache_lens 37, 100)
+    or hold only tree columns (0)."""
+    case = make_case(
+        3, 150, 9, 3, 64, 16, dtype, device, "chain", cache_lens=[0, 37, 100], full=True
+    )
+    check(case, backend)
+
+
 def test_long_context_uneven_lengths(device, backend):
     """Few (request, KV head) pairs over long contexts: the kernel may split the positions
     across threads; one request far shorter than the other (empty splits)."""

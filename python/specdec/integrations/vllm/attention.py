@@ -174,8 +174,8 @@ class TreeAttentionImpl:
         q = query[:N].view(N, self.num_heads, self.head_size)
         if m.dense:  # the flat tokens are the padded batch: no copies (profile_step --part vllm)
             q_batch = q
-        else:
-            q_batch = q.new_zeros(m.B * m.T, self.num_heads, self.head_size)
+        else:  # padding nodes (past num_nodes) are never read: left uninitialised
+            q_batch = q.new_empty(m.B * m.T, self.num_heads, self.head_size)
             q_batch.index_copy_(0, m.batch_rows, q)
         out = torch.ops.specdec.tree_verify(
             q_batch.view(m.B, m.T, self.num_heads, self.head_size),
@@ -191,8 +191,8 @@ class TreeAttentionImpl:
         result = output[:N].view(N, self.num_heads * self.head_size)
         if m.dense:
             result.copy_(flat)
-        else:
-            result.copy_(flat.index_select(0, m.batch_rows))
+        else:  # gathered straight into vLLM's output: a prefill's rows are megabytes
+            torch.index_select(flat, 0, m.batch_rows, out=result)
         return output
 
 
