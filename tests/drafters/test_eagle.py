@@ -9,10 +9,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import specdec_kernels.ops as ops
+from specdec.drafters.base import Proposal, Setup, StepResult
+from specdec.drafters.eagle import BACKLOG_SLACK, EagleDrafter
 from specdec.drafters.eagle_head import EagleHead, load_head
 from specdec.errors import HeadMismatchError, ModelLoadError
 from specdec.models.config import ModelArgs
 from specdec.models.llama import Transformer
+from specdec.speculation.trees import BatchSampling, TreeSpec
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 32, 4, 2, 8, 48, 40
 
@@ -269,3 +272,88 @@ def test_broken_checkpoints_raise(target, tmp_path):
     (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="safetensors"):
         load_head(str(tmp_path / "b"), target)
+
+
+# ---------------------------------------------------------------------- the drafter's backlog
+def greedy(batch):
+    return BatchSampling(
+        torch.zeros(batch), torch.zeros(batch, dtype=torch.int32), torch.ones(batch), [None] * batch
+    )
+
+
+def started_drafter(target, head, max_backlog, prompt, first, hidden):
+    """An EagleDrafter over two slots with `prompt` started in slot 1 (its target features
+    `hidden` [len(prompt), dim], `first` the first generated token)."""
+    drafter = EagleDrafter(head, max_backlog=max_backlog)
+    drafter.setup(Setup(target, TreeSpec.parse("chain:3"), 2, 64, 16, torch.device("cpu")))
+    slot = torch.tensor([1])
+    empty = hidden.new_zeros(len(prompt), 0)
+    drafter.start(slot, [prompt], torch.tensor([first]), [hidden], [empty], [True])
+    return drafter
+
+
+def plain_step(drafter, token, feature):
+    """A step that drafted nothing for slot 1 (adaptive mode's plain step): `token` emitted."""
+    drafter.commit(
+        torch.tensor([1]),
+        Proposal(torch.tensor([[token]]), torch.tensor([[-1]], dtype=torch.int32), None),
+        StepResult(
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+            torch.tensor([[token]], dtype=torch.int32),
+            feature.view(1, 1, -1),
+            feature.new_zeros(1, 1, 0),
+            [True],
+        ),
+    )
+
+
+@pytest.mark.parametrize("max_backlog, length", [(4, 20), (9, 20), (4, 40)])
+def test_backlog_cap_restarts_the_head_from_the_last_pairs(target, max_backlog, length):
+    """A drafted step, then plain steps past the cap: the next catch-up runs only the last
+    max_backlog (token, feature) pairs and drafts exactly as a head started afresh on them (a
+    stale cache row left in place, or the pairs cut elsewhere, changes the drafting state).
+    The queue itself stays within BACKLOG_SLACK times the cap over a long plain streak."""
+    torch.manual_seed(0)
+    head = EagleHead.random(target, version=2, seed=3)
+    with torch.no_grad():  # weights large enough for the context to move the drafts
+        for p in head.parameters():
+            p.mul_(5)
+    L = length  # tokens: prompt 0..5, first token 6, then steps 7..L-1
+    tokens = torch.randint(0, VOCAB, (L,))
+    feats = torch.randn(L, DIM)
+    slot = torch.tensor([1])
+    capped = started_drafter(target, head, max_backlog, tokens[:6], int(tokens[6]), feats[:6])
+    uncapped = started_drafter(target, head, None, tokens[:6], int(tokens[6]), feats[:6])
+    for d in (capped, uncapped):
+        with torch.no_grad():
+            d.propose(slot, tokens[6:7], greedy(1))  # the prompt's catch-up: 6 cache rows
+        for i in range(7, L):  # the root alone accepted, then plain steps
+            plain_step(d, int(tokens[i]), feats[i - 1])
+    queued = sum(len(t) for t, _ in capped.pending[1])
+    assert queued == capped.queued[1] <= BACKLOG_SLACK * max_backlog
+    # queued: (tokens[t + 1], feats[t]) for 6 <= t < L - 1; the cap keeps the last max_backlog
+    kept = slice(L - 1 - max_backlog, L - 1)
+    fresh = started_drafter(
+        target,
+        head,
+        None,
+        torch.cat((tokens[:1], tokens[L - max_backlog : L - 1])),
+        int(tokens[L - 1]),
+        feats[kept],
+    )
+    with torch.no_grad():
+        got = capped.propose(slot, tokens[L - 1 : L], greedy(1))
+        want = fresh.propose(slot, tokens[L - 1 : L], greedy(1))
+        uncapped.propose(slot, tokens[L - 1 : L], greedy(1))
+    assert int(capped.cache.cache_lens[1]) == max_backlog
+    assert int(uncapped.cache.cache_lens[1]) == L - 1
+    torch.testing.assert_close(capped.draft_hidden[1], fresh.draft_hidden[1])
+    assert torch.equal(got.tokens, want.tokens)
+    # the cap matters: the whole context gives another drafting state
+    assert not torch.allclose(capped.draft_hidden[1], uncapped.draft_hidden[1], rtol=1e-3)
+
+
+def test_backlog_cap_is_checked():
+    with pytest.raises(ValueError, match="max_backlog"):
+        EagleDrafter(None, max_backlog=0)

@@ -8,6 +8,13 @@ positions n..n+a (as upstream EAGLE and SGLang do: the draft KV was computed fro
 own predicted features), so committing it is advancing cache_lens — the positions are
 already contiguous and compaction would be the identity. That re-run is deferred to the next
 propose (_catch_up), so plain steps of adaptive mode cost no head work.
+
+The deferred pairs are capped (max_backlog): a request that went many steps without drafting
+(adaptive mode under load, where most steps are plain and a probe step drafts now and then)
+would otherwise pay the head's pass over its whole prompt and every token since, at each
+probe. Past the cap the slot's head cache restarts from its last max_backlog pairs: the head
+loses older context (its drafts, and so acceptance, may suffer), never exactness
+(docs/adaptive.md, "Fallback to plain decoding under load").
 """
 
 import torch
@@ -18,6 +25,13 @@ from specdec.drafters.base import Drafter, Proposal
 from specdec.speculation import trees
 from specdec.speculation.cost_model import CostModel
 
+# (token, target feature) pairs of a slot the head's catch-up runs at most; past it the head
+# restarts from the last MAX_BACKLOG pairs (module docstring): a probe step then costs the
+# head this many tokens per request, not the prompt and every token since. The queue itself is
+# cut back only past BACKLOG_SLACK times that (bounded memory, no copy every plain step).
+MAX_BACKLOG = 16
+BACKLOG_SLACK = 4
+
 
 class EagleDrafter(Drafter):
     """Chain (`chain:K`), EAGLE-2 dynamic (`dynamic:D,K,N`) or adaptive trees from head."""
@@ -25,9 +39,13 @@ class EagleDrafter(Drafter):
     name = "eagle"
     adaptive = True
 
-    def __init__(self, head):
+    def __init__(self, head, max_backlog: int | None = MAX_BACKLOG):
+        """max_backlog: pairs queued per slot for the catch-up at most (None: no cap)."""
+        if max_backlog is not None and max_backlog < 1:
+            raise ValueError(f"max_backlog must be >= 1 or None, got {max_backlog}")
         self.head = head
         self.feature_layers = head.feature_layers
+        self.max_backlog = max_backlog
 
     def modules(self):
         return [self.head]
@@ -58,6 +76,7 @@ class EagleDrafter(Drafter):
         )
         # per slot: (tokens, target features) accepted since the head last ran (_catch_up)
         self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.queued: dict[int, int] = {}  # per slot: the pairs in its pending queue
         self._chains: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # _chain's
 
     def start(self, slots, prompts, first_tokens, hidden, aux, ok) -> None:
@@ -67,9 +86,11 @@ class EagleDrafter(Drafter):
         self.cache.reset(slots)
         for b, (slot, p, f) in enumerate(zip(slots.tolist(), prompts, features)):
             self.pending[slot] = [(torch.cat((p[1:], first_tokens[b : b + 1])), f)]
+            self.queued[slot] = len(p)
         for slot, good in zip(slots.tolist(), ok):
             if not good:  # failed: its slot is freed, nothing to run
                 self.pending.pop(slot, None)
+                self.queued.pop(slot, None)
 
     def propose(self, slots, roots, sampling, policy=None) -> Proposal:
         hidden = self._catch_up(slots)
@@ -100,6 +121,20 @@ class EagleDrafter(Drafter):
         ):
             if good:
                 self.pending.setdefault(slot, []).append((tok[:n], feat[:n]))
+                self.queued[slot] = queued = self.queued.get(slot, 0) + n
+                if self.max_backlog is not None and queued > BACKLOG_SLACK * self.max_backlog:
+                    self._cut_backlog(slot)
+
+    def _cut_backlog(self, slot: int) -> None:
+        """Keeps the last max_backlog of the slot's queued pairs and restarts its head cache
+        (the kept pairs then run from position 0)."""
+        cap = self.max_backlog
+        queue = self.pending[slot]
+        tokens = torch.cat([t for t, _ in queue])[-cap:]
+        features = torch.cat([f for _, f in queue])[-cap:]
+        queue[:] = [(tokens, features)]
+        self.queued[slot] = cap
+        self.cache.reset(torch.tensor([slot], device=self.device))
 
     def _catch_up(self, slots) -> torch.Tensor | None:
         """Runs the head over the (token, target feature) pairs queued since it last ran (the
@@ -111,6 +146,11 @@ class EagleDrafter(Drafter):
         rows = [i for i, s in enumerate(slot_ids) if self.pending.get(s)]
         if not rows:
             return None
+        cap = self.max_backlog
+        for i in rows:  # the head runs the last `cap` pairs at most (MAX_BACKLOG)
+            if cap is not None and self.queued.get(slot_ids[i], 0) > cap:
+                self._cut_backlog(slot_ids[i])
+            self.queued.pop(slot_ids[i], None)
         chunks = [self.pending.pop(slot_ids[i]) for i in rows]
         # (one chunk, one request: the usual batch-1 step, without the copies)
         token_runs = [c[0][0] if len(c) == 1 else torch.cat([t for t, _ in c]) for c in chunks]
