@@ -81,6 +81,8 @@ def main(argv=None) -> None:
         if plain is None:
             plain = out
         for mode in ("batch1", "concurrent"):
+            if out[mode] is None:  # --concurrency 0: batch 1 only
+                continue
             row = dict(out[mode])
             outputs = row.pop("outputs")
             row["same_tokens_as_plain"] = sum(
