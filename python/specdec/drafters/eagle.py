@@ -122,13 +122,13 @@ class EagleDrafter(Drafter):
             if good:
                 self.pending.setdefault(slot, []).append((tok[:n], feat[:n]))
                 self.queued[slot] = queued = self.queued.get(slot, 0) + n
-                if self.max_backlog is not None and queued > BACKLOG_SLACK * self.max_backlog:
-                    self._cut_backlog(slot)
+                cap = self.max_backlog
+                if cap is not None and queued > BACKLOG_SLACK * cap:
+                    self._cut_backlog(slot, cap)
 
-    def _cut_backlog(self, slot: int) -> None:
-        """Keeps the last max_backlog of the slot's queued pairs and restarts its head cache
-        (the kept pairs then run from position 0)."""
-        cap = self.max_backlog
+    def _cut_backlog(self, slot: int, cap: int) -> None:
+        """Keeps the last `cap` of the slot's queued pairs and restarts its head cache (the
+        kept pairs then run from position 0)."""
         queue = self.pending[slot]
         tokens = torch.cat([t for t, _ in queue])[-cap:]
         features = torch.cat([f for _, f in queue])[-cap:]
@@ -149,7 +149,7 @@ class EagleDrafter(Drafter):
         cap = self.max_backlog
         for i in rows:  # the head runs the last `cap` pairs at most (MAX_BACKLOG)
             if cap is not None and self.queued.get(slot_ids[i], 0) > cap:
-                self._cut_backlog(slot_ids[i])
+                self._cut_backlog(slot_ids[i], cap)
             self.queued.pop(slot_ids[i], None)
         chunks = [self.pending.pop(slot_ids[i]) for i in rows]
         # (one chunk, one request: the usual batch-1 step, without the copies)
