@@ -138,7 +138,8 @@ class EagleDrafter(Drafter):
 
     def _catch_up(self, slots) -> torch.Tensor | None:
         """Runs the head over the (token, target feature) pairs queued since it last ran (the
-        prompt's, then each step's accepted ones): one call for however many steps that was,
+        prompt's, then each step's accepted ones; the last max_backlog of them, the head's
+        cache restarted, where more were queued): one call for however many steps that was,
         so adaptive mode's plain steps skip the head entirely and pay for it in one batched
         pass when drafting resumes. Returns the drafting state of every slot, [B, dim], when
         each had pairs queued (the usual step: no read-back of draft_hidden), else None."""
@@ -147,7 +148,7 @@ class EagleDrafter(Drafter):
         if not rows:
             return None
         cap = self.max_backlog
-        for i in rows:  # the head runs the last `cap` pairs at most (MAX_BACKLOG)
+        for i in rows:
             if cap is not None and self.queued.get(slot_ids[i], 0) > cap:
                 self._cut_backlog(slot_ids[i], cap)
             self.queued.pop(slot_ids[i], None)
