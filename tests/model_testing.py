@@ -16,9 +16,21 @@ from specdec.models.llama import Transformer
 from specdec.runtime.engine import Engine
 from specdec.runtime.requests import Request, SamplingParams
 from specdec.speculation.cost_model import CostModel
+from specdec.speculation.trees import BatchSampling
 from specdec.training.data import generate_shards
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
+
+
+def sampling(temps, top_k=0, top_p=1.0, seed=0) -> BatchSampling:
+    """A batch's sampling parameters: temps [B] (0 = greedy), one seeded generator per row."""
+    B = len(temps)
+    return BatchSampling(
+        torch.tensor(temps, dtype=torch.float32),
+        torch.full((B,), top_k, dtype=torch.int32),
+        torch.full((B,), top_p),
+        [torch.Generator().manual_seed(seed + b) for b in range(B)],
+    )
 
 
 def tiny_model(vocab_size=32, layer_scale=0.005, seed=0):

@@ -15,7 +15,9 @@ from specdec.drafters.eagle_head import EagleHead, load_head
 from specdec.errors import HeadMismatchError, ModelLoadError
 from specdec.models.config import ModelArgs
 from specdec.models.llama import Transformer
-from specdec.speculation.trees import BatchSampling, TreeSpec
+from specdec.speculation.trees import TreeSpec
+
+from model_testing import sampling
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 32, 4, 2, 8, 48, 40
 
@@ -275,12 +277,6 @@ def test_broken_checkpoints_raise(target, tmp_path):
 
 
 # ---------------------------------------------------------------------- the drafter's backlog
-def greedy(batch):
-    return BatchSampling(
-        torch.zeros(batch), torch.zeros(batch, dtype=torch.int32), torch.ones(batch), [None] * batch
-    )
-
-
 def started_drafter(target, head, max_backlog, prompt, first, hidden):
     """An EagleDrafter over two slots with `prompt` started in slot 1 (its target features
     `hidden` [len(prompt), dim], `first` the first generated token)."""
@@ -327,7 +323,7 @@ def test_backlog_cap_restarts_the_head_from_the_last_pairs(target, max_backlog, 
     uncapped = started_drafter(target, head, None, tokens[:6], int(tokens[6]), feats[:6])
     for d in (capped, uncapped):
         with torch.no_grad():
-            d.propose(slot, tokens[6:7], greedy(1))  # the prompt's catch-up: 6 cache rows
+            d.propose(slot, tokens[6:7], sampling([0.0]))  # the prompt's catch-up: 6 cache rows
         for i in range(7, L):  # the root alone accepted, then plain steps
             plain_step(d, int(tokens[i]), feats[i - 1])
     queued = sum(len(t) for t, _ in capped.pending[1])
@@ -343,9 +339,9 @@ def test_backlog_cap_restarts_the_head_from_the_last_pairs(target, max_backlog, 
         feats[kept],
     )
     with torch.no_grad():
-        got = capped.propose(slot, tokens[L - 1 : L], greedy(1))
-        want = fresh.propose(slot, tokens[L - 1 : L], greedy(1))
-        uncapped.propose(slot, tokens[L - 1 : L], greedy(1))
+        got = capped.propose(slot, tokens[L - 1 : L], sampling([0.0]))
+        want = fresh.propose(slot, tokens[L - 1 : L], sampling([0.0]))
+        uncapped.propose(slot, tokens[L - 1 : L], sampling([0.0]))
     assert int(capped.cache.cache_lens[1]) == max_backlog
     assert int(uncapped.cache.cache_lens[1]) == L - 1
     torch.testing.assert_close(capped.draft_hidden[1], fresh.draft_hidden[1])

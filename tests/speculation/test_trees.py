@@ -13,8 +13,10 @@ from specdec.errors import InvalidTreeSpecError
 from specdec.models.config import ModelArgs
 from specdec.models.llama import Transformer
 from specdec.speculation import trees as drafting
-from specdec.speculation.trees import BatchSampling, Draft, TreeSpec
+from specdec.speculation.trees import Draft, TreeSpec
 from specdec_kernels.reference import process_logits
+
+from model_testing import sampling
 
 V = 12
 
@@ -240,16 +242,6 @@ def test_head_tree_attention_equals_chain_recomputation(version):
     torch.testing.assert_close(h2[0, 1], want[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h3[0, 0], want[2], atol=1e-5, rtol=1e-5)
     assert int(cache.cache_lens[1]) == S  # drafting never commits
-
-
-def sampling(temps, top_k=0, top_p=1.0, seed=0):
-    B = len(temps)
-    return BatchSampling(
-        torch.tensor(temps, dtype=torch.float32),
-        torch.full((B,), top_k, dtype=torch.int32),
-        torch.full((B,), top_p),
-        [torch.Generator().manual_seed(seed + b) for b in range(B)],
-    )
 
 
 def test_greedy_chain_is_iterated_argmax():
