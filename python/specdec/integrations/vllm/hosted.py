@@ -85,6 +85,7 @@ class DrafterProposer:
         self._by_row: list = []  # per batch row: its request's state (bind_rows)
         self.steps = 0
         self._step_start: float | None = None  # adaptive: when the last propose began
+        self._prefill_in_step = False  # the step observed last scheduled prompt tokens
         self._speculative = False
 
     # ------------------------------------------------------------------ set-up
@@ -127,6 +128,9 @@ class DrafterProposer:
         whose prompt is done and commits the decode rows' proposals."""
         self.steps += 1
         starts, commits = [], []
+        # a row with more tokens than its drafts + 1 is a prompt (chunk): its cost is not
+        # what the policy prices a decode step at, so the step's time calibrates nothing
+        self._prefill_in_step = any(n > k + 1 for n, k in zip(step.num_scheduled, step.num_drafts))
         for b, req_id in enumerate(step.req_ids):
             n, computed, k = step.num_scheduled[b], step.computed[b], step.num_drafts[b]
             emitted = step.sampled[b]
@@ -260,10 +264,9 @@ class DrafterProposer:
             toks, pars, conf = r.proposal
             tokens[b, : k + 1] = toks[: k + 1]
             parents[b, : k + 1] = pars[: k + 1]
-            if conf is not None:
+            if conf is not None:  # drafted by the policy's speculative step (maybe root-only)
                 confidence[b, : k + 1] = conf[: k + 1]
-                if k:
-                    speculative_rows.append(b)
+                speculative_rows.append(b)
             accepted[b, : len(path)] = path
             output[b, : len(emitted)] = emitted
             src.extend(range(first, first + k + 1))
@@ -293,8 +296,10 @@ class DrafterProposer:
         )
 
     def _observe_policy(self, proposal, accepted, num_accepted, slots, rows) -> None:
-        """Adaptive: the accepted paths of the speculative rows, and the step's wall time
-        (from its drafting to now) against the cost model's prediction."""
+        """Adaptive: the accepted paths of the speculative step's rows (a row its trees left
+        root-only counts too: the step's tokens per request are what its cost bought), and
+        the step's wall time (from its drafting to now) against the cost model's prediction,
+        unless the step also ran prompt tokens."""
         policy = self.policy
         if rows:
             idx = torch.tensor(rows)
@@ -307,7 +312,7 @@ class DrafterProposer:
             )
             _, depth = ops.build_tree_mask(sub.parents, sub.num_nodes)
             policy.observe(sub, depth, accepted[idx], num_accepted[idx], slots[idx].tolist())
-        if self._step_start is not None:
+        if self._step_start is not None and not self._prefill_in_step:
             seconds = time.perf_counter() - self._step_start
             nodes = policy.step_nodes(proposal.num_nodes, proposal.tokens.shape[1])
             policy.observe_time(seconds, self._speculative, policy.levels, nodes)
