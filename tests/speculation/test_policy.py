@@ -9,7 +9,16 @@ from specdec.drafters.base import Proposal
 from specdec.drafters.eagle_head import EagleHead
 from specdec.runtime.engine import Engine
 from specdec.speculation.cost_model import CostModel
-from specdec.speculation.policy import CALIBRATION_PRIOR, DECAY, MAX_PROBE, Policy, _bands
+from specdec.speculation.policy import (
+    BUCKET_PRIOR,
+    CALIBRATION_PRIOR,
+    DECAY,
+    MAX_PROBE,
+    MEASURE_MARGIN,
+    REMEASURE_STEPS,
+    Policy,
+    _bands,
+)
 from specdec.speculation.trees import TreeSpec
 
 from model_testing import (
@@ -553,11 +562,80 @@ def test_policy_prices_rule_one_by_measured_step_times():
     for _ in range(60):
         p.observe_time(2.0 * CHEAP_VERIFY.verify(1), False, 0, 1)
     assert p.spec_rate_bound() > p.spec_rate() > p.plain_rate() and p.speculate()
-    # clipped: a step 1000x its prediction counts as 2x
+    # clipped: a step 1000x its prediction counts as 2x, in the kind's ratio over every
+    # occupancy and in its bucket's, whose prior is the former
     q = Policy(CHEAP_VERIFY, SPEC)
     q.observe_time(1000.0 * predicted, True, 1, 2)
     prior = DECAY * CALIBRATION_PRIOR
-    assert q.calibration(True) == pytest.approx((prior + 2.0) / (prior + 1.0))
+    overall = (prior + 2.0) / (prior + 1.0)
+    assert q.calibration(True) == pytest.approx((2.0 + BUCKET_PRIOR * overall) / (1 + BUCKET_PRIOR))
+    q.batch = 8  # no evidence of its own
+    assert q.calibration(True) == pytest.approx(overall)
+
+
+def _run_at(p: Policy, batch: int, steps: int, plain_ratio: float, spec_ratio: float) -> list:
+    """`steps` steps at occupancy `batch` whose measured seconds are plain_ratio (spec_ratio)
+    times the cost model's for a plain step (a 1-level, 2-node speculative one). -> the
+    speculate() decisions."""
+    decisions = []
+    for _ in range(steps):
+        p.new_step(list(range(batch)))
+        speculative = p.speculate()
+        decisions.append(speculative)
+        levels, nodes = (1, 2) if speculative else (0, 1)
+        ratio = spec_ratio if speculative else plain_ratio
+        p.observe_time(ratio * p.predicted_step_s(levels, nodes), speculative, levels, nodes)
+    return decisions
+
+
+def test_policy_prices_each_occupancy_by_its_own_steps():
+    """Speculation earns 1.4x plain by the cost model. At batch 1 a plain step takes 1.2x
+    its prediction (the engine's forward is slower than the one timed), at batch 8 0.6x
+    (it batches better): speculation pays at 1 and loses at 8. Priced with one ratio per
+    kind, the plain steps at 8 were priced at batch 1's and never run: at 8 the policy
+    speculated on every step. Per occupancy, plain is measured at 8 and wins there, and
+    batch 1's price is left as it was."""
+    p = Policy(CHEAP_VERIFY, SPEC)
+    _half_accepted_chain(p, 40)
+    first = _run_at(p, 1, 60, plain_ratio=1.2, spec_ratio=1.0)
+    assert sum(first[-40:]) >= 38  # speculating (a measuring plain step at most)
+    p.batch = 1
+    one = p.calibration(False)
+    assert 1.15 < one < 1.2  # three plain steps measured, shrunk to the overall ratio
+    at_eight = _run_at(p, 8, 40, plain_ratio=0.6, spec_ratio=1.0)
+    assert not at_eight[0]  # plain unmeasured at 8, speculation within the margin: measured
+    assert sum(at_eight[-30:]) <= 3  # plain, but for the probes
+    assert p.calibration(False) == pytest.approx(0.6, rel=0.1)
+    assert p.spec_rate_bound() < p.plain_rate()
+    p.batch = 1
+    assert p.calibration(False) == pytest.approx(one, rel=0.05)  # moved by its prior only
+    assert p.spec_rate() > p.plain_rate()
+    assert sum(_run_at(p, 1, 20, plain_ratio=1.2, spec_ratio=1.0)) >= 19
+
+
+def test_policy_measures_plain_steps_only_where_their_price_matters():
+    """A measuring plain step runs only for an engine that reports step times, where
+    plain's price at the occupancy is unmeasured or stale, and while speculation wins by
+    less than MEASURE_MARGIN; it leaves the probes alone."""
+    p = Policy(CHEAP_VERIFY, SPEC)
+    _half_accepted_chain(p, 40)
+    # the first step: no step time reported yet, nothing to calibrate; then three
+    # measuring plain steps (MIN_MEASURED)
+    first = _run_at(p, 1, 5, plain_ratio=1.0, spec_ratio=1.0)
+    assert first == [True, False, False, False, True]
+    assert p.plain_streak == 0 and p.probe == 4
+    # stale: REMEASURE_STEPS steps since the last plain one (one of them above)
+    ages = _run_at(p, 1, REMEASURE_STEPS, plain_ratio=1.0, spec_ratio=1.0)
+    assert ages == [True] * (REMEASURE_STEPS - 1) + [False]
+    # speculation wins by more than the margin (its steps measured at half the cost
+    # model's at batch 1, and priced so at 4 by the kind's overall ratio): plain steps at 4
+    # are not measured
+    q = Policy(CHEAP_VERIFY, SPEC)
+    _half_accepted_chain(q, 40)
+    _run_at(q, 1, 80, plain_ratio=1.0, spec_ratio=0.5)
+    q.batch = 4
+    assert q.spec_rate() > MEASURE_MARGIN * q.plain_rate()
+    assert _run_at(q, 4, 5, plain_ratio=1.0, spec_ratio=0.5) == [True] * 5
 
 
 def test_engine_reports_every_step_time(monkeypatch):

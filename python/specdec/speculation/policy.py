@@ -53,6 +53,14 @@ not the start-up's uniform one. The engine reports each step's wall time; per ki
 speculative) the policy keeps the decayed ratio of measured to predicted seconds and prices
 rule 1 with it. Without it, at batch 16-64 on a CPU, where a plain step is compute-bound and
 speculation is near break-even by the cost model, adaptive mode lost 8-11% to plain decoding.
+The ratios are kept per occupancy bucket (1, 2-3, 4-7, 8-15, ...; the kind's ratio over every
+bucket is the prior of a bucket with little evidence of its own): how far an engine's step is
+from the cost model changes with the batch (inside vLLM, a plain step at batch 1 took 1.2x the
+cost model's, at batch 8 0.85x; priced at batch 1's ratio, plain lost to speculation at 8 by a
+margin it did not have, and 8 requests at once ran 0.89x plain). A kind that never runs at a
+bucket is never measured there, so while speculation wins by less than MEASURE_MARGIN at a
+bucket whose plain steps are unmeasured or stale (REMEASURE_STEPS), the step is plain: it
+measures what speculation is judged against.
 Rules 2 and 3 compare speculative steps with each other, so one factor does not change them;
 but they weigh draft levels against verify sizes, and a level run in a step (after the target
 forward has swept the caches) is slower than the start-up loop timed it: on CPU the drafter's
@@ -90,6 +98,12 @@ REQUEST_PRIOR = 1.0
 # one step's ratio is clipped to (a step that waited on something else, e.g. the first call
 # of a kernel, must not price its kind out for good)
 CALIBRATION_PRIOR, CALIBRATION_CLIP = 4.0, (0.5, 2.0)
+# per occupancy bucket: pseudo-steps of the kind's overall ratio behind a bucket's own ratio;
+# a plain step is run to measure a bucket's plain cost while it has fewer than MIN_MEASURED
+# (decayed) plain steps, or none in its last REMEASURE_STEPS steps, and speculation is
+# judged to win there by less than MEASURE_MARGIN (a margin no wrong price inside the clip's
+# usual range would overturn): ~1 plain step in 128 where speculation is close to plain
+BUCKET_PRIOR, MIN_MEASURED, REMEASURE_STEPS, MEASURE_MARGIN = 0.25, 2.5, 128, 2.0
 # draft levels in the steps against the cost model's (Policy.observe_level): one level's ratio
 # is clipped wider than a step's, cold caches more than double a small level's time
 LEVEL_CLIP = (0.25, 4.0)
@@ -136,6 +150,13 @@ class Policy:
         # steps' measured / predicted seconds and their decayed count, each with
         # CALIBRATION_PRIOR pseudo-steps at 1; the mean scales the kind's costs in rule 1
         self.step_ratios = {kind: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for kind in (False, True)}
+        # the same per (kind, occupancy bucket), without the prior (calibration() adds the
+        # kind's overall ratio); per bucket, the steps observed there since its last plain
+        # one; timed: whether any step time was observed (an engine that reports none gets
+        # no measuring steps)
+        self.bucket_ratios: dict[tuple[bool, int], list[float]] = {}
+        self.plain_age: dict[int, int] = {}
+        self.timed = False
         self.level_ratios = [CALIBRATION_PRIOR, CALIBRATION_PRIOR]  # the same for draft levels
         # per batch size, from the cost model: verify(1 .. TOTAL) and the draft levels' costs
         self._curves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -157,9 +178,23 @@ class Policy:
 
     # ------------------------------------------------------------------ 1. plain or not
     def calibration(self, speculative: bool) -> float:
-        """Measured over predicted seconds of recent steps of this kind (1: no evidence)."""
+        """Measured over predicted seconds of recent steps of this kind at the live
+        occupancy's bucket, shrunk to the kind's ratio over every bucket (1: no evidence)."""
         ratios, steps = self.step_ratios[speculative]
-        return ratios / steps
+        overall = ratios / steps
+        own = self.bucket_ratios.get((speculative, _bucket(self.batch)))
+        if own is None:
+            return overall
+        return (own[0] + BUCKET_PRIOR * overall) / (own[1] + BUCKET_PRIOR)
+
+    def plain_unmeasured(self) -> bool:
+        """Whether a plain step's cost at the live occupancy's bucket wants measuring: too
+        few plain steps there, or none recently (only when step times are reported)."""
+        if not self.timed:
+            return False
+        bucket = _bucket(self.batch)
+        own = self.bucket_ratios.get((False, bucket))
+        return own is None or own[1] < MIN_MEASURED or self.plain_age[bucket] >= REMEASURE_STEPS
 
     def predicted_step_s(self, levels: float, nodes: float) -> float:
         """The cost model's seconds of a step at the live occupancy: `levels` draft levels
@@ -183,9 +218,14 @@ class Policy:
         if not predicted > 0 or not seconds >= 0:
             return
         lo, hi = CALIBRATION_CLIP
-        st = self.step_ratios[speculative]
-        st[0] = DECAY * st[0] + min(max(seconds / predicted, lo), hi)
-        st[1] = DECAY * st[1] + 1.0
+        ratio = min(max(seconds / predicted, lo), hi)
+        bucket = _bucket(self.batch)
+        own = self.bucket_ratios.setdefault((speculative, bucket), [0.0, 0.0])
+        for st in (self.step_ratios[speculative], own):
+            st[0] = DECAY * st[0] + ratio
+            st[1] = DECAY * st[1] + 1.0
+        self.plain_age[bucket] = 0 if not speculative else self.plain_age.get(bucket, 0) + 1
+        self.timed = True
 
     def plain_rate(self) -> float:
         """Tokens per second of a plain step at the live occupancy (calibrated)."""
@@ -214,7 +254,10 @@ class Policy:
         return self.spec_rate() * (1.0 + UCB_Z * (var / n) ** 0.5 / mean)
 
     def speculate(self) -> bool:
-        if self.spec_rate_bound() >= self.plain_rate():
+        bound, plain = self.spec_rate_bound(), self.plain_rate()
+        if bound >= plain:
+            if self.spec_rate() < MEASURE_MARGIN * plain and self.plain_unmeasured():
+                return False  # a measuring plain step (the streak and probes unchanged)
             self.plain_streak, self.probe = 0, MIN_PROBE
             return True
         # evidence ages with every step, plain ones too: the means stay, their weight
@@ -547,6 +590,11 @@ def _host(t) -> np.ndarray:
         t = t.double()  # bfloat16 and the like: numpy has no such dtype
     host = t.cpu().numpy()
     return host.astype(np.float64) if host.dtype == np.float32 else host
+
+
+def _bucket(batch: int) -> int:
+    """The occupancy bucket of a batch size: 1 | 2-3 | 4-7 | 8-15 | ... -> 1, 2, 3, 4, ..."""
+    return max(int(batch), 1).bit_length()
 
 
 def _bands(confidence):
