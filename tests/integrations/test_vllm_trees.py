@@ -100,6 +100,72 @@ def test_hosted_ngram_drafter_drafts_tries_and_commits_the_accepted_path():
     assert proposer.requests["b"].next_position == 3
 
 
+class _RecordingPolicy:
+    """What the hosted drafter tells an adaptive policy; every step it decides is plain."""
+
+    levels = 0
+
+    def __init__(self):
+        self.observed, self.timed = [], []
+
+    def new_step(self, slots):
+        pass
+
+    def speculate(self):
+        return False
+
+    def start(self, slots):
+        pass
+
+    def step_nodes(self, num_nodes, T):
+        return float(T)
+
+    def observe(self, d, depth, accepted_nodes, num_accepted, slots):
+        self.observed.append((d.num_nodes.tolist(), num_accepted.tolist()))
+
+    def observe_time(self, seconds, speculative, levels, nodes):
+        self.timed.append(speculative)
+
+
+def test_hosted_policy_learns_from_every_row_of_a_speculative_step():
+    """A speculative step's rows that its trees left root-only count in what the step
+    earned (the policy's tokens per request are per row the step paid for); a step that
+    also ran prompt tokens does not calibrate the price of decode steps."""
+    proposer = hosted.DrafterProposer(
+        _vllm_config(nodes=6, drafter="ngram", tree_spec="dynamic:3,2,7")
+    )
+    proposer.load_model(None)
+    n = len(HISTORY)
+    ids = np.zeros((3, 64), dtype=np.int32)
+    ids[:2, :n] = HISTORY
+    proposer.observe(_step(["a", "b"], [n - 1, n - 1], [0, 0], [0, 0], [[2], [2]], ids))
+    proposer.bind_rows(["a", "b"])
+    proposer.propose([[2], [2]], np.array([n, n]), ids)
+    # as an adaptive step would have drafted them: a tree for "a", the root alone for "b"
+    proposer.requests["a"].proposal = (TRIE[0], TRIE[1], [1.0] + [0.5] * 6)
+    proposer.requests["b"].proposal = ([2], [-1], [1.0])
+    policy = proposer.policy = _RecordingPolicy()
+    proposer._speculative, proposer._step_start = True, 0.0
+    ids[0, n : n + 3], ids[1, n] = [3, 4, 5], 3
+    proposer.observe(_step(["a", "b"], [7, 1], [n - 1, n - 1], [6, 0], [[3, 4, 5], [3]], ids))
+    assert policy.observed == [([7, 1], [2, 0])]  # both rows, "b" root-only
+    assert policy.timed == [True]
+    # a plain step beside a new request's prompt: not timed; a plain step alone: timed
+    proposer.bind_rows(["a", "b"])
+    proposer.propose([[3, 4, 5], [3]], np.array([n + 3, n + 1]), ids)
+    ids[0, n + 3], ids[1, n + 1], ids[2, :6] = 0, 4, [1, 2, 3, 4, 5, 1]
+    step = _step(["a", "b", "c"], [1, 1, 5], [n + 2, n, 0], [0, 0, 0], [[0], [4], [1]], ids)
+    proposer.observe(step)
+    assert policy.timed == [True]
+    proposer.bind_rows(["a", "b", "c"])
+    proposer.propose([[0], [4], [1]], np.array([n + 4, n + 2, 6]), ids)
+    ids[0, n + 4], ids[1, n + 2], ids[2, 6] = 1, 0, 2
+    step = _step(["a", "b", "c"], [1, 1, 1], [n + 3, n + 1, 5], [0, 0, 0], [[1], [0], [2]], ids)
+    proposer.observe(step)
+    assert policy.timed == [True, False]
+    assert len(policy.observed) == 1  # plain steps teach the acceptance statistics nothing
+
+
 def test_accepted_path_walks_the_emitted_tokens_down_the_tree():
     proposal = (*TRIE, None)
     assert hosted._accepted_path(proposal, 6, [7, 8, 1]) == [0, 4, 5]
