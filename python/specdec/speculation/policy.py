@@ -55,12 +55,12 @@ rule 1 with it. Without it, at batch 16-64 on a CPU, where a plain step is compu
 speculation is near break-even by the cost model, adaptive mode lost 8-11% to plain decoding.
 The ratios are kept per occupancy bucket (1, 2-3, 4-7, 8-15, ...; the kind's ratio over every
 bucket is the prior of a bucket with little evidence of its own): how far an engine's step is
-from the cost model changes with the batch (inside vLLM, a plain step at batch 1 took 1.2x the
-cost model's, at batch 8 0.85x; priced at batch 1's ratio, plain lost to speculation at 8 by a
-margin it did not have, and 8 requests at once ran 0.89x plain). A kind that never runs at a
-bucket is never measured there, so while speculation wins by less than MEASURE_MARGIN at a
-bucket whose plain steps are unmeasured or stale (REMEASURE_STEPS), the step is plain: it
-measures what speculation is judged against.
+from the cost model changes with the batch (inside vLLM, a plain step at batch 1 took 1.2-1.3x
+the cost model's, at batch 8 0.83-0.85x; priced at batch 1's ratio, plain lost to speculation
+at 8 by a margin it did not have, and 8 requests at once ran 0.89x plain). A kind that never
+runs at a bucket is never measured there, so while speculation wins by less than
+MEASURE_MARGIN at a bucket whose plain steps are unmeasured or stale (REMEASURE_STEPS), the
+step is plain: it measures what speculation is judged against.
 Rules 2 and 3 compare speculative steps with each other, so one factor does not change them;
 but they weigh draft levels against verify sizes, and a level run in a step (after the target
 forward has swept the caches) is slower than the start-up loop timed it: on CPU the drafter's
