@@ -151,12 +151,11 @@ class Policy:
         # CALIBRATION_PRIOR pseudo-steps at 1; the mean scales the kind's costs in rule 1
         self.step_ratios = {kind: [CALIBRATION_PRIOR, CALIBRATION_PRIOR] for kind in (False, True)}
         # the same per (kind, occupancy bucket), without the prior (calibration() adds the
-        # kind's overall ratio); per bucket, the steps observed there since its last plain
-        # one; timed: whether any step time was observed (an engine that reports none gets
-        # no measuring steps)
+        # kind's overall ratio; empty while no step time was reported, and an engine that
+        # reports none gets no measuring steps); per bucket, the steps observed there since
+        # its last plain one
         self.bucket_ratios: dict[tuple[bool, int], list[float]] = {}
         self.plain_age: dict[int, int] = {}
-        self.timed = False
         self.level_ratios = [CALIBRATION_PRIOR, CALIBRATION_PRIOR]  # the same for draft levels
         # per batch size, from the cost model: verify(1 .. TOTAL) and the draft levels' costs
         self._curves: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -190,7 +189,7 @@ class Policy:
     def plain_unmeasured(self) -> bool:
         """Whether a plain step's cost at the live occupancy's bucket wants measuring: too
         few plain steps there, or none recently (only when step times are reported)."""
-        if not self.timed:
+        if not self.bucket_ratios:
             return False
         bucket = _bucket(self.batch)
         own = self.bucket_ratios.get((False, bucket))
@@ -225,7 +224,6 @@ class Policy:
             st[0] = DECAY * st[0] + ratio
             st[1] = DECAY * st[1] + 1.0
         self.plain_age[bucket] = 0 if not speculative else self.plain_age.get(bucket, 0) + 1
-        self.timed = True
 
     def plain_rate(self) -> float:
         """Tokens per second of a plain step at the live occupancy (calibrated)."""
@@ -256,7 +254,8 @@ class Policy:
     def speculate(self) -> bool:
         bound, plain = self.spec_rate_bound(), self.plain_rate()
         if bound >= plain:
-            if self.spec_rate() < MEASURE_MARGIN * plain and self.plain_unmeasured():
+            # (the dict lookups first: most steps have plain measured, no spec_rate again)
+            if self.plain_unmeasured() and self.spec_rate() < MEASURE_MARGIN * plain:
                 return False  # a measuring plain step (the streak and probes unchanged)
             self.plain_streak, self.probe = 0, MIN_PROBE
             return True
