@@ -40,7 +40,7 @@ def tree_step():
 def _vllm_config(nodes=6, **options):
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=nodes),
-        model_config=SimpleNamespace(max_model_len=1000, model=None),
+        model_config=SimpleNamespace(max_model_len=1000, model=None, dtype=torch.float32),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
         additional_config={"specdec": {"tree": True, "sampler": "specdec", **options}},
     )
@@ -356,6 +356,16 @@ def test_tree_options_are_checked():
         check_options({"tree": True, "drafter": "ngram", "tree_spec": "dynamic:2,2,4"})
     with pytest.raises(InvalidRequestError, match="drafter"):
         check_options({"tree": True, "sampler": "specdec", "drafter": "medusa"})
+    # the hosted drafter's precision: trees only, a dtype name
+    bf16 = speculative_config("eagle", tree=True, draft_dtype="bfloat16")["specdec"]
+    assert bf16["draft_dtype"] == "bfloat16" and check_options(bf16) == bf16
+    assert "draft_dtype" not in merged["specdec"]  # "auto" unless asked
+    with pytest.raises(InvalidRequestError, match="draft_dtype"):
+        speculative_config("eagle", tree=True, draft_dtype="int8")
+    with pytest.raises(InvalidRequestError, match="draft_dtype"):
+        speculative_config("eagle", draft_dtype="bfloat16")  # vLLM's own chain method
+    with pytest.raises(InvalidRequestError, match="draft_dtype"):
+        check_options({**bf16, "draft_dtype": "fp8"})
 
 
 # 16 MiB of float32 KV (45 KiB a token): ~11 blocks of 32 tokens, 3 or 4 requests' worth.
@@ -364,9 +374,9 @@ KV_CACHE_BYTES = 16 << 20
 CONFIGS = {
     "plain": None,
     "ngram tree": ("ngram", {"tree": True}),
-    "eagle tree": ("eagle", {"tree": True}),
-    "eagle+ngram adaptive": ("eagle+ngram", {"tree": "adaptive"}),
-}
+    "eagle tree": ("eagle", {"tree": True, "draft_dtype": "bfloat16"}),
+    "eagle+ngram adaptive": ("eagle+ngram", {"tree": "adaptive", "draft_dtype": "float32"}),
+}  # (the server test drafts at draft_dtype "auto")
 
 
 @pytest.fixture(scope="module")

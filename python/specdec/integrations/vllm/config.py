@@ -25,11 +25,13 @@ Methods (docs/integration.md, "In vLLM", has the table of what runs where):
 
 Options: num_speculative_tokens (the chain depth; default 4, Medusa its head count), head,
 model (the target, .gguf or checkpoint dir; default the default model), export_dir, ngram_max
-/ ngram_min ("ngram"), sampler ("vllm", the default, or "specdec": vLLM's rejection sampling
-through torch.ops.specdec.tree_rejection_sample, sampler.py). specdec's own options travel in
-the dict under the key "specdec"; the plugin (plugin.py) moves them into vLLM's
-additional_config before vLLM validates the dict, so they need the plugin installed (the
-`vllm.general_plugins` entry point of `pip install specdec`).
+/ ngram_min ("ngram"), draft_dtype (trees: the hosted drafter's precision, "auto" (the
+default: bfloat16 on a CPU with native bf16 arithmetic, else float32), "bfloat16", "float16"
+or "float32"; any value keeps the output exact, hosted.py), sampler ("vllm", the default, or
+"specdec": vLLM's rejection sampling through torch.ops.specdec.tree_rejection_sample,
+sampler.py). specdec's own options travel in the dict under the key "specdec"; the plugin
+(plugin.py) moves them into vLLM's additional_config before vLLM validates the dict, so they
+need the plugin installed (the `vllm.general_plugins` entry point of `pip install specdec`).
 """
 
 import hashlib
@@ -40,6 +42,7 @@ import tempfile
 
 from specdec.errors import InvalidRequestError
 from specdec.integrations.vllm import version
+from specdec.integrations.vllm.options import check_draft_dtype
 
 OPTIONS_KEY = "specdec"  # the dict's key holding specdec's own options (plugin.py reads it)
 SAMPLERS = ("vllm", "specdec")
@@ -50,13 +53,21 @@ METHODS = HEAD_METHODS + ("ngram", "eagle+ngram")
 NGRAM_PROPOSER = "specdec.integrations.vllm.proposers.NgramProposer"
 HOSTED_PROPOSER = "specdec.integrations.vllm.hosted.DrafterProposer"
 DEFAULT_TREE_NODES = 8  # drafted nodes below the root of tree=True (num_speculative_tokens)
-_HEAD_OPTIONS = {"num_speculative_tokens", "head", "model", "export_dir", "sampler", "tree"}
+_HEAD_OPTIONS = {
+    "num_speculative_tokens",
+    "head",
+    "model",
+    "export_dir",
+    "sampler",
+    "tree",
+    "draft_dtype",
+}
 _NGRAM_OPTIONS = {"num_speculative_tokens", "ngram_max", "ngram_min", "sampler", "tree"}
 _OPTIONS = {
     "eagle": _HEAD_OPTIONS,
     "eagle3": _HEAD_OPTIONS,
-    "medusa": _HEAD_OPTIONS - {"tree"},
-    "ngram": _NGRAM_OPTIONS | {"tree_branches", "tree_depth"},
+    "medusa": _HEAD_OPTIONS - {"tree", "draft_dtype"},
+    "ngram": _NGRAM_OPTIONS | {"tree_branches", "tree_depth", "draft_dtype"},
     "eagle+ngram": (_HEAD_OPTIONS | _NGRAM_OPTIONS) - {"model", "export_dir"},
 }
 _NOT_HOSTED = {
@@ -92,6 +103,11 @@ def speculative_config(method: str, **options) -> dict:
     depth = options.get("num_speculative_tokens")
     if depth is not None:
         _check_positive_int("num_speculative_tokens", depth)
+    if "draft_dtype" in options and not (options.get("tree") or method == "eagle+ngram"):
+        raise InvalidRequestError(
+            f"speculative_config({method!r}): draft_dtype sets the hosted drafter's precision "
+            "(trees) only; vLLM's own methods draft in the engine's dtype"
+        )
     if options.get("tree") or method == "eagle+ngram":
         config = _tree_config(method, depth, options, sampler)
         specdec_options.update(config.pop(OPTIONS_KEY))
@@ -181,6 +197,8 @@ def _tree_config(method: str, depth, options, sampler: str) -> dict:
             f"the tree's drafts ({spec.num_nodes - 1} for {spec})"
         )
     options_out = {"tree": True, "sampler": "specdec", "drafter": method, "tree_spec": str(spec)}
+    if "draft_dtype" in options:
+        options_out["draft_dtype"] = check_draft_dtype(options["draft_dtype"])
     if method == "eagle3":
         options_out["drafter"] = "eagle"
     if method != "ngram":

@@ -37,6 +37,7 @@ import torch
 import specdec_kernels.ops as ops
 from specdec.drafters.base import Proposal, Setup, StepResult
 from specdec.integrations.vllm.options import specdec_options
+from specdec.models.loader import resolve_dtype
 from specdec.speculation.trees import BatchSampling, TreeSpec
 
 MAX_SLOTS = 64  # drafter slots (head caches) at most; requests past them draft nothing
@@ -76,6 +77,11 @@ class DrafterProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.model_path = vllm_config.model_config.model
         self.num_slots = min(int(vllm_config.scheduler_config.max_num_seqs), MAX_SLOTS)
+        # the drafter's own model copy (heads, cost model): bfloat16 where the CPU computes it
+        # natively ("auto"), whatever vLLM's dtype; drafts are verified by vLLM's forward, so
+        # their precision changes acceptance only (docs/integration.md, "Trees inside vLLM")
+        self.draft_dtype = resolve_dtype(options.get("draft_dtype", "auto"), torch.device("cpu"))
+        self.target_dtype = vllm_config.model_config.dtype  # vLLM's forward, the cost model's
         self.drafter = None
         self.policy = None
         self.feature_layers: tuple = ()  # target layers whose outputs the drafter reads
@@ -91,26 +97,33 @@ class DrafterProposer:
     # ------------------------------------------------------------------ set-up
     def load_model(self, target_model) -> None:
         """Builds the drafter (its own copy of the target's embeddings and output for the
-        heads: specdec's model of the same checkpoint), its slots and, for adaptive trees,
-        the policy with its measured cost model."""
+        heads: specdec's model of the same checkpoint, in draft_dtype), its slots and, for
+        adaptive trees, the policy with its measured cost model (the verify costs timed on a
+        copy in vLLM's dtype, the forward they price; the drafts by the drafter as it runs)."""
         from specdec.drafters.choice import DrafterChoice
         from specdec.models.loader import load_model
 
-        model = None
-        if self.method != "ngram" or self.tree.kind == "adaptive":
-            model, _ = load_model(self.model_path)
+        adaptive = self.tree.kind == "adaptive"
+        model = draft_model = None
+        if adaptive:
+            model, _ = load_model(self.model_path, dtype=self.target_dtype)
+        if self.method != "ngram":
+            draft_model = model
+            if model is None or self.draft_dtype != self.target_dtype:
+                draft_model, _ = load_model(self.model_path, dtype=self.draft_dtype)
         choice = DrafterChoice(
             self.method, self.head, ngram_max=self.ngram[0], ngram_min=self.ngram[1]
         )
         choice.check().check_tree(self.tree)
-        self.drafter = drafter = choice.build(model, self.model_path)
+        self.drafter = drafter = choice.build(draft_model, self.model_path)
         drafter.check(self.tree, self.max_model_len - 1)
         capacity = self.max_model_len + self.num_nodes + 1
+        cpu = torch.device("cpu")
         drafter.setup(
-            Setup(model, self.tree, self.num_slots, capacity, HEAD_BLOCK_SIZE, torch.device("cpu"))
+            Setup(draft_model or model, self.tree, self.num_slots, capacity, HEAD_BLOCK_SIZE, cpu)
         )
         self.feature_layers = tuple(drafter.feature_layers)
-        if drafter.adaptive and self.tree.kind == "adaptive":
+        if drafter.adaptive and adaptive:
             from specdec.speculation.policy import Policy
 
             batch = min(self.num_slots, POLICY_MAX_BATCH)
@@ -229,8 +242,8 @@ class DrafterProposer:
         prompts, hidden, aux, firsts = [], [], [], []
         for _, r, first in starts:
             prompts.append(torch.cat([c[0] for c in r.chunks]))
-            hidden.append(torch.cat([c[1] for c in r.chunks]).float())
-            aux.append(torch.cat([c[2] for c in r.chunks]).float())
+            hidden.append(torch.cat([c[1] for c in r.chunks]).to(self.draft_dtype))
+            aux.append(torch.cat([c[2] for c in r.chunks]).to(self.draft_dtype))
             firsts.append(first)
             r.chunks, r.started = [], True
         slots = torch.tensor([r.slot for _, r, _ in starts], dtype=torch.long)
@@ -274,12 +287,13 @@ class DrafterProposer:
             num_nodes[b], num_accepted[b] = k + 1, len(path) - 1
             r.proposal = None
         src_rows, dst_rows = torch.tensor(src), torch.tensor(dst)
-        hidden = step.hidden.new_zeros(B * T, step.hidden.shape[-1], dtype=torch.float32)
-        hidden.index_copy_(0, dst_rows, step.hidden.index_select(0, src_rows).float())
+        dtype = self.draft_dtype
+        hidden = step.hidden.new_zeros(B * T, step.hidden.shape[-1], dtype=dtype)
+        hidden.index_copy_(0, dst_rows, step.hidden.index_select(0, src_rows).to(dtype))
         aux_dim = 0 if step.aux is None else step.aux.shape[-1]
-        aux = step.hidden.new_zeros(B * T, aux_dim, dtype=torch.float32)
+        aux = step.hidden.new_zeros(B * T, aux_dim, dtype=dtype)
         if aux_dim:
-            aux.index_copy_(0, dst_rows, step.aux.index_select(0, src_rows).float())
+            aux.index_copy_(0, dst_rows, step.aux.index_select(0, src_rows).to(dtype))
         tokens, parents = torch.from_numpy(tokens), torch.from_numpy(parents)
         confidence, accepted = torch.from_numpy(confidence), torch.from_numpy(accepted)
         output, num_nodes = torch.from_numpy(output), torch.from_numpy(num_nodes)

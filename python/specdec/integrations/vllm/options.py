@@ -7,6 +7,7 @@ hands to every worker with the rest of its config.
     {"tree": True, "drafter": "eagle+ngram", "tree_spec": "adaptive", "head": DIR}
                                     trees verified inside vLLM's step (trees.py), drafted by
                                     specdec's drafter hosted in vLLM (hosted.py)
+    {"draft_dtype": "auto"}         the hosted drafter's precision (hosted.py)
 
 SPECDEC_VLLM_SAMPLER=1 in the environment turns the sampler on as {"sampler": "specdec"} does
 (for a `vllm serve` started without specdec's options, say).
@@ -16,8 +17,19 @@ from specdec import envs
 from specdec.errors import InvalidRequestError
 
 KEY = "specdec"
-KNOWN = {"sampler", "ngram_max", "ngram_min", "tree", "drafter", "tree_spec", "head"}
+KNOWN = {"sampler", "ngram_max", "ngram_min", "tree", "drafter", "tree_spec", "head", "draft_dtype"}
 DRAFTERS = ("ngram", "eagle", "eagle+ngram")
+DRAFT_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def check_draft_dtype(value) -> str:
+    """The hosted drafter's dtype option -> value; InvalidRequestError naming it when bad."""
+    if value not in DRAFT_DTYPES:
+        raise InvalidRequestError(
+            f"speculative_config['{KEY}']['draft_dtype'] must be one of "
+            f"{', '.join(DRAFT_DTYPES)}, got {value!r}"
+        )
+    return value
 
 
 def check_options(options) -> dict:
@@ -54,6 +66,8 @@ def check_options(options) -> dict:
             f"speculative_config['{KEY}']: trees need sampler 'specdec' (vLLM's own rejection "
             "sampler verifies chains only)"
         )
+    if "draft_dtype" in options:
+        check_draft_dtype(options["draft_dtype"])
     return options
 
 
