@@ -318,6 +318,110 @@ def test_sampler_tree_path_accepts_the_greedy_walk(tree_step):
     assert int(num_accepted[0]) == 2 and accepted_nodes[0, :3].tolist() == [0, 2, 4]
 
 
+def _random_trees(B, K, V, gen, logits):
+    """B random K + 1-node trees (parents [B, K + 1], root first) and their K drafts [B, K]
+    (node j + 1's token): siblings hold distinct tokens, most of them their parent's argmax
+    (node K's parent has no logits row in vLLM's layout: its token is random)."""
+    parents = torch.full((B, K + 1), -1, dtype=torch.int32)
+    drafts = torch.zeros(B, K, dtype=torch.int32)
+    for b in range(B):
+        for i in range(1, K + 1):
+            p = int(torch.randint(i, (1,), generator=gen))
+            parents[b, i] = p
+            taken = {int(drafts[b, j - 1]) for j in range(1, i) if parents[b, j] == p}
+            best = int(logits[b, p].argmax()) if p < K else -1
+            choice = best if best not in taken and float(torch.rand(1, generator=gen)) < 0.6 else -1
+            while choice < 0 or choice in taken:
+                choice = int(torch.randint(V, (1,), generator=gen))
+            drafts[b, i - 1] = choice
+    return parents, drafts
+
+
+def _tree_step_outputs(tree_step, parents, drafts, logits, bonus, metadata, padded):
+    """The sampler's output rows and accepted paths for one tree step (every request with K
+    drafts): through rejection_sample (padded=False: the uniform path) or the padded layout
+    chain_batch builds (the path for requests of different sizes)."""
+    B, K = drafts.shape
+    tree_step.update(parents={b: parents[b].tolist() for b in range(B)}, accepted=None)
+    flat, target = drafts.reshape(-1), logits[:, :K].reshape(B * K, -1)
+    counts, cu = [K] * B, torch.arange(1, B + 1) * K
+    if not padded:
+        out = sampler.rejection_sample(flat, counts, K, cu, None, target, bonus, metadata)
+    else:
+        batch = sampler.chain_batch(flat, counts, K, None, target, bonus)
+        trees.write_step_trees(batch.parents)
+        temperature = torch.zeros(B) if metadata.all_greedy else torch.ones(B)
+        uniforms = torch.zeros(B, K + 2) if metadata.all_greedy else torch.rand(B, K + 2)
+        accepted, num_accepted, out = torch.ops.specdec.tree_rejection_sample(
+            batch.logits,
+            batch.tokens,
+            batch.parents,
+            batch.num_nodes,
+            None,
+            temperature,
+            torch.zeros(B, dtype=torch.int32),
+            torch.ones(B),
+            uniforms,
+        )
+        trees.record_acceptance(accepted, num_accepted)
+    accepted, num_accepted = tree_step["accepted"]
+    paths = [accepted[b, : int(num_accepted[b]) + 1].tolist() for b in range(B)]
+    return out, paths
+
+
+def test_uniform_tree_steps_walk_as_the_padded_layout_greedy(tree_step, _fresh_seed):
+    """Every request drafting K nodes (always at batch 1): vLLM's logits are walked as they
+    are, the last node checked after the walk; greedy output and accepted paths equal the
+    padded layout's on random trees."""
+    gen = torch.Generator().manual_seed(_fresh_seed)
+    B, K, V = 64, 6, 5
+    logits = torch.randn(B, K + 1, V, generator=gen) * 3
+    parents, drafts = _random_trees(B, K, V, gen, logits)
+    bonus = torch.randint(V, (B, 1), generator=gen)
+    greedy = SimpleNamespace(all_greedy=True, generators={})
+    out, paths = _tree_step_outputs(tree_step, parents, drafts, logits, bonus, greedy, False)
+    ref, ref_paths = _tree_step_outputs(tree_step, parents, drafts, logits, bonus, greedy, True)
+    assert torch.equal(out, ref)
+    assert paths == ref_paths
+    assert any(p[-1] == K for p in paths), "no tree accepted its last node: nothing checked"
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["ours", "wrong-last-node-check"])
+def test_uniform_tree_steps_sample_as_the_padded_layout(tree_step, monkeypatch, wrong):
+    """Sampled (temperature 1): one tree step's outcomes (emitted tokens) over N copies are
+    distributed as the padded layout's (chi-square, two samples); a last-node check that
+    forgets the token (accepting node K wherever the walk stops at its parent) fails."""
+    import scipy.stats
+
+    torch.manual_seed(3)
+    gen = torch.Generator().manual_seed(5)
+    N, K, V = 20_000, 4, 4
+    one = torch.randn(1, K + 1, V, generator=gen)
+    parents = torch.tensor([[-1, 0, 0, 1, 0]], dtype=torch.int32)  # node 4 under the root
+    drafts = torch.tensor([[int(one[0, 0].argmax()), (int(one[0, 0].argmax()) + 1) % V, 1, 3]])
+    drafts[0, 3] = next(t for t in range(V) if t not in drafts[0, :2].tolist())
+    drafts = drafts.to(torch.int32)
+    if wrong:
+        monkeypatch.setattr(
+            sampler, "_accepts_last", lambda at, parent, emitted, token: at == parent
+        )
+    sampled = SimpleNamespace(all_greedy=False, temperature=torch.ones(N), generators={})
+    rows = [parents.expand(N, -1), drafts.expand(N, -1), one.expand(N, -1, -1).contiguous()]
+    bonus = torch.full((N, 1), V - 1)
+    counts = []
+    for padded in (False, True):
+        out, _ = _tree_step_outputs(tree_step, *rows, bonus, sampled, padded)
+        keys, freq = torch.unique(out, dim=0, return_counts=True)
+        counts.append({tuple(k.tolist()): int(c) for k, c in zip(keys, freq)})
+    outcomes = sorted(set(counts[0]) | set(counts[1]))
+    table = [[c.get(o, 0) for o in outcomes] for c in counts]
+    p = scipy.stats.chi2_contingency(table).pvalue
+    if wrong:
+        assert p < 1e-6, p
+    else:
+        assert p > 1e-3, p
+
+
 def test_tree_options_are_checked():
     from specdec.errors import InvalidRequestError
     from specdec.integrations.vllm import speculative_config

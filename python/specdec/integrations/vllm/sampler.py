@@ -93,15 +93,13 @@ def rejection_sample(
     in_tree_step = bool(trees.step_parents())
     V = target_logits.shape[-1]
     placeholders = bool(((draft_token_ids < 0) | (draft_token_ids >= V)).any())
-    uniform = (
-        not in_tree_step
-        and not placeholders
+    uniform_layout = (
+        not placeholders
         and draft_probs is None
-        and K > 0
         and all(n == K for n in num_draft_tokens)
         and target_logits.is_contiguous()
     )
-    if uniform:  # K-node chains over vLLM's logits as they are, draft K checked after
+    if uniform_layout and not in_tree_step:  # K-node chains over vLLM's logits, draft K after
         drafts = draft_token_ids.view(B, K).to(torch.int32)
         tokens = torch.cat((fixed.zero_column, drafts[:, :-1]), dim=1)  # node 0 is unused
         _, num_accepted, output = torch.ops.specdec.tree_rejection_sample(
@@ -118,6 +116,15 @@ def rejection_sample(
         last = (num_accepted == K - 1) & (output[:, K - 1] == drafts[:, K - 1])
         bonus = torch.where(last, bonus_token_ids.view(-1).to(torch.int32), -1)
         return torch.cat((output, bonus[:, None]), dim=1)
+    if in_tree_step and uniform_layout:  # K-node trees over vLLM's logits as they are
+        return _uniform_trees(
+            draft_token_ids.view(B, K).to(torch.int32),
+            target_logits.view(B, K, -1),
+            bonus_token_ids.view(-1).to(torch.int32),
+            temperature,
+            _uniforms(sampling_metadata, num_draft_tokens, K + 1, fixed).to(device),
+            fixed,
+        )
     tree = chain_batch(
         draft_token_ids, num_draft_tokens, max_spec_len, draft_probs, target_logits, bonus_token_ids
     )
@@ -137,6 +144,57 @@ def rejection_sample(
     if in_tree_step:
         trees.record_acceptance(accepted_nodes, num_accepted)
     return output_tokens
+
+
+def _uniform_trees(drafts, logits, bonus, temperature, uniforms, fixed) -> torch.Tensor:
+    """A tree step whose every request drafted K nodes, without the padded copy: drafts
+    [B, K] int32 (node j + 1's token), logits [B, K, V] (vLLM's rows of nodes 0 .. K - 1),
+    bonus [B] int32 (vLLM's sample at node K) -> output tokens int32 [B, K + 1].
+
+    The op walks nodes 0 .. K - 1; node K (the last, a leaf) is checked after, as the uniform
+    chain path checks its last draft: its siblings hold other tokens, so the walk stopping at
+    K's parent with K's token emitted is exactly the walk accepting K tried last among its
+    siblings (greedy: the parent's argmax is K's token; sampled: the residual draw is K's
+    token with the probability rejection sampling accepts K; any sibling order keeps the
+    target's distribution), and then vLLM's bonus token follows. Records the accepted nodes
+    for compact_kv as chain_batch's path does."""
+    from specdec.integrations.vllm import trees
+
+    B, K = drafts.shape
+    parents = fixed.parents.clone()  # [B, K + 1] chains, overwritten by the step's trees
+    trees.write_step_trees(parents)
+    tokens = torch.cat((fixed.zero_column, drafts[:, :-1]), dim=1)  # node 0 is unused
+    accepted_nodes, num_accepted, output = torch.ops.specdec.tree_rejection_sample(
+        logits,
+        tokens,
+        parents[:, :K].contiguous(),
+        fixed.num_nodes,
+        None,
+        temperature,
+        fixed.top_k,
+        fixed.top_p,
+        uniforms,
+    )
+    rows = torch.arange(B, device=drafts.device)
+    n = num_accepted.long()
+    last = accepted_nodes.long()[rows, n]  # where the walk stopped
+    takes_last = _accepts_last(last, parents[:, K].long(), output.long()[rows, n], drafts[:, K - 1])
+    column = torch.full((B, 1), -1, dtype=torch.int32, device=drafts.device)
+    output = torch.cat((output, column), dim=1)
+    accepted_nodes = torch.cat((accepted_nodes, column), dim=1)
+    if bool(takes_last.any()):
+        idx = rows[takes_last]
+        output[idx, n[idx] + 1] = bonus[idx]
+        accepted_nodes[idx, n[idx] + 1] = K
+        num_accepted = num_accepted + takes_last.to(num_accepted.dtype)
+    trees.record_acceptance(accepted_nodes, num_accepted)
+    return output
+
+
+def _accepts_last(stopped_at, parent, emitted, token) -> torch.Tensor:
+    """[B] bool: the walk accepts the last node (_uniform_trees): it stopped at that node's
+    parent and emitted that node's token."""
+    return (stopped_at == parent) & (emitted == token)
 
 
 def chain_parents(B: int, T: int, device) -> torch.Tensor:
