@@ -215,27 +215,41 @@ def _dense_attention(q, k_all, v_all, allowed, scale):
     return torch.einsum("hns,shd->nhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("chunk", [4, 5], ids=["ragged", "dense"])
-def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_step, chunk):
-    """Row 0 a prefill chunk of `chunk` tokens, row 1 a 5-node tree: ragged rows go through
-    the padded batch, rows of one length (dense) straight through."""
+TREE = [-1, 0, 0, 1, 2]  # a 5-node tree: root, two children, a grandchild under each
+
+
+@pytest.mark.parametrize(
+    "query_lens, groups, dense",
+    [
+        ([4, 5], 1, False),  # a short prompt chunk and a tree: one padded batch
+        ([5, 5], 1, True),  # rows of one length: straight through
+        ([12, 5], 2, False),  # a prompt chunk apart from the tree
+        ([5, 12, 1, 9], 2, False),  # decode and tree rows apart from the prompts, not consecutive
+    ],
+    ids=["ragged", "dense", "prompt-apart", "interleaved"],
+)
+def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(
+    tree_step, query_lens, groups, dense
+):
+    """Prompt chunks (causal rows) beside 5-node trees (the rows of 5 tokens) and decodes:
+    rows longer than the longest tree are attended apart from the others, each set padded
+    to its own longest row; rows of one length go straight through."""
     torch.manual_seed(0)
-    Hq, Hkv, D, block_size, num_blocks = 4, 2, 16, 8, 12
+    Hq, Hkv, D, block_size = 4, 2, 16, 8
+    R = len(query_lens)
+    cache_lens = [6, 11, 3, 9][:R]
+    blocks_per_row = 4
+    num_blocks = R * blocks_per_row + 2
     kv_cache = torch.randn(num_blocks, Hkv, block_size, 2 * D)  # vLLM's per-layer allocation
-    block_table = torch.tensor([[5, 2, 9], [0, 7, 3]], dtype=torch.int32)
-    cache_lens = [6, 11]
-    query_lens = [chunk, 5]
-    tree = [-1, 0, 0, 1, 2]
-    tree_step.update(parents={1: tree})
-    starts = [0, chunk, chunk + 5]
+    block_table = torch.randperm(num_blocks)[: R * blocks_per_row].view(R, -1).to(torch.int32)
+    tree_step.update(parents={b: TREE for b in range(R) if query_lens[b] == 5})
+    starts = np.concatenate(([0], np.cumsum(query_lens))).tolist()
     N = starts[-1]
-    positions = torch.tensor(
-        [cache_lens[0] + i for i in range(chunk)] + [cache_lens[1] + i for i in range(5)]
-    )
-    req = torch.tensor([0] * chunk + [1] * 5)
+    positions = torch.tensor([cache_lens[b] + i for b in range(R) for i in range(query_lens[b])])
+    req = torch.tensor([b for b in range(R) for _ in range(query_lens[b])])
     slots = block_table.long()[req, positions // block_size] * block_size + positions % block_size
     meta = SimpleNamespace(
-        num_reqs=2,
+        num_reqs=R,
         num_actual_tokens=N,
         query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor([c + q for c, q in zip(cache_lens, query_lens)], dtype=torch.int32),
@@ -246,7 +260,7 @@ def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_ste
 
     builder = object.__new__(TreeAttentionMetadataBuilder)
     attn_metadata = builder.build(0, meta)
-    assert attn_metadata.dense == (chunk == 5)
+    assert len(attn_metadata.groups) == groups and attn_metadata.dense == dense
     impl = TreeAttentionImpl(Hq, D, D**-0.5, Hkv, None, None, "auto")
     q, k, v = torch.randn(N, Hq, D), torch.randn(N, Hkv, D), torch.randn(N, Hkv, D)
     before = kv_cache.clone()
@@ -256,11 +270,11 @@ def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_ste
     impl.do_kv_cache_update(
         layer, k_pad, v_pad, kv_cache, torch.cat((slots, slots.new_full((1,), -1)))
     )
-    output = torch.zeros(N, Hq * D)
+    output = torch.full((N, Hq * D), float("nan"))
     impl.forward(layer, q, k, v, kv_cache, attn_metadata, output)
 
     k_old, v_old = kv_views(before, D)
-    for b in range(2):
+    for b in range(R):
         blocks = block_table[b].long()
         rows = slice(starts[b], starts[b + 1])
         S = cache_lens[b]
@@ -269,7 +283,7 @@ def test_tree_attention_matches_a_dense_reference_in_vllms_cache_layout(tree_ste
         n = query_lens[b]
         allowed = torch.zeros(n, S + n, dtype=torch.bool)
         allowed[:, :S] = True
-        parents = tree if b == 1 else list(range(-1, n - 1))
+        parents = TREE if n == 5 else list(range(-1, n - 1))
         for i in range(n):
             node = i
             while node >= 0:

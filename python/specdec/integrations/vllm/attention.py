@@ -41,25 +41,39 @@ def _backend_base():
 
 
 @dataclass
-class TreeAttentionMetadata:
-    """One step's rows as tree_verify takes them (B rows padded to T nodes).
+class RowGroup:
+    """Rows of a step that one tree_verify call attends, padded to the longest of them (B rows
+    of up to T nodes).
 
-    batch_rows: [N] int64, the place b * T + i in the padded batch of vLLM's flat token n
-    (row b's tokens are consecutive in vLLM's order, so token n is the n-th real node);
-    dense: every row has T tokens (N = B * T, batch_rows = arange: a plain decode step, or
-    trees of one size), so the flat tokens are the padded batch as they are; cache_lens,
-    num_nodes: [B] int32; tree_mask: [B, T, ceil(T / 64)]; block_table: [B, max_blocks];
-    slot_mapping: [N]."""
+    tokens: vLLM's flat tokens of these rows in order (a slice where the rows are consecutive,
+    else [N_g] int64); pad_rows: [N_g] int64, the place b * T + i of each in the padded batch,
+    or None when every row has T tokens (the flat tokens are the padded batch as they are);
+    cache_lens, num_nodes: [B] int32; tree_mask: [B, T, ceil(T / 64)]; block_table:
+    [B, max_blocks]."""
 
-    num_actual_tokens: int
     B: int
     T: int
-    batch_rows: torch.Tensor
-    dense: bool
+    tokens: slice | torch.Tensor
+    pad_rows: torch.Tensor | None
     cache_lens: torch.Tensor
     num_nodes: torch.Tensor
     tree_mask: torch.Tensor
     block_table: torch.Tensor
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """One step's rows as tree_verify takes them: one RowGroup, or two when the step mixes
+    prompt chunks with decode / tree rows (the short rows then are not padded to a prompt's
+    length: a prompt of 200 tokens beside 19 decodes cost 1.37 ms a layer as one padded batch,
+    0.70 ms as two; benchmarks/profile_step.py --part vllm). dense: one group without padding
+    (every plain decode step, trees of one size): no copies. slot_mapping: [N]."""
+
+    num_actual_tokens: int
+    B: int
+    T: int
+    groups: list
+    dense: bool
     slot_mapping: torch.Tensor
 
 
@@ -84,21 +98,75 @@ class TreeAttentionMetadataBuilder:
         trees.write_step_trees(parents)
         num_nodes = query_lens.to(torch.int32)
         tree_mask, _ = torch.ops.specdec.build_tree_mask(parents, num_nodes)
-        # once per step, not per layer: where each token sits in the padded [B, T] batch
-        node = torch.arange(T)
-        batch_rows = (node[None, :] < query_lens[:, None]).reshape(-1).nonzero().squeeze(1)
-        trees.note_block_table(m.block_table_tensor[:B])
+        block_table = m.block_table_tensor[:B]
+        trees.note_block_table(block_table)
+        step = _StepRows(starts, query_lens, (seq_lens - query_lens).to(torch.int32), num_nodes)
+        step.tree_mask, step.block_table = tree_mask, block_table
+        # decode and tree rows are at most as long as the longest tree; longer rows are
+        # prompt chunks, attended apart so that the short rows are not padded to them
+        short_len = max([len(p) for b, p in trees.step_parents().items() if b < B] + [1])
+        short = query_lens <= short_len
+        if bool(short.all()) or not bool(short.any()):
+            groups = [step.group(None)]
+        else:
+            groups = [
+                step.group(short.nonzero().squeeze(1)),
+                step.group((~short).nonzero().squeeze(1)),
+            ]
         return TreeAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             B=B,
             T=T,
-            batch_rows=batch_rows,
-            dense=len(batch_rows) == B * T == m.num_actual_tokens,
-            cache_lens=(seq_lens - query_lens).to(torch.int32),
-            num_nodes=num_nodes,
-            tree_mask=tree_mask,
-            block_table=m.block_table_tensor[:B],
+            groups=groups,
+            dense=len(groups) == 1 and groups[0].pad_rows is None,
             slot_mapping=m.slot_mapping,
+        )
+
+
+@dataclass
+class _StepRows:
+    """A step's per-row tensors (query_lens, cache_lens, num_nodes: [B]; starts: [B + 1]),
+    from which RowGroups are cut."""
+
+    starts: torch.Tensor
+    query_lens: torch.Tensor
+    cache_lens: torch.Tensor
+    num_nodes: torch.Tensor
+    tree_mask: torch.Tensor = None  # type: ignore[assignment]
+    block_table: torch.Tensor = None  # type: ignore[assignment]
+
+    def group(self, rows: torch.Tensor | None) -> RowGroup:
+        """The RowGroup of rows ([R] int64 batch rows, increasing; None: all of them)."""
+        B = len(self.query_lens)
+        if rows is None:
+            query_lens, first, last = self.query_lens, 0, B - 1
+            picked = lambda x: x  # noqa: E731
+        else:
+            query_lens, first, last = self.query_lens[rows], int(rows[0]), int(rows[-1])
+            picked = lambda x: x.index_select(0, rows)  # noqa: E731
+        R, T = len(query_lens), max(int(query_lens.max()), 1)
+        if last - first + 1 == R:  # consecutive rows: consecutive tokens
+            tokens: slice | torch.Tensor = slice(
+                int(self.starts[first]), int(self.starts[last + 1])
+            )
+        else:
+            token_row = torch.repeat_interleave(torch.arange(B), self.query_lens)
+            tokens = torch.isin(token_row, rows).nonzero().squeeze(1)
+        node = torch.arange(T)
+        pad_rows = (node[None, :] < query_lens[:, None]).reshape(-1).nonzero().squeeze(1)
+        words = (T + 63) // 64
+        mask = picked(self.tree_mask)
+        if mask.shape[1] != T or mask.shape[2] != words:
+            mask = mask[:, :T, :words].contiguous()
+        return RowGroup(
+            B=R,
+            T=T,
+            tokens=tokens,
+            pad_rows=None if len(pad_rows) == R * T else pad_rows,
+            cache_lens=picked(self.cache_lens),
+            num_nodes=picked(self.num_nodes),
+            tree_mask=mask,
+            block_table=picked(self.block_table),
         )
 
 
@@ -171,28 +239,35 @@ class TreeAttentionImpl:
         m = attn_metadata
         N = m.num_actual_tokens
         k_cache, v_cache = _layer_kv_views(layer, kv_cache, self.head_size)
-        q = query[:N].view(N, self.num_heads, self.head_size)
-        if m.dense:  # the flat tokens are the padded batch: no copies (profile_step --part vllm)
-            q_batch = q
-        else:  # padding nodes (past num_nodes) are never read: left uninitialised
-            q_batch = q.new_empty(m.B * m.T, self.num_heads, self.head_size)
-            q_batch.index_copy_(0, m.batch_rows, q)
-        out = torch.ops.specdec.tree_verify(
-            q_batch.view(m.B, m.T, self.num_heads, self.head_size),
-            k_cache,
-            v_cache,
-            m.block_table,
-            m.cache_lens,
-            m.num_nodes,
-            m.tree_mask,
-            self.scale,
-        )
-        flat = out.reshape(m.B * m.T, self.num_heads * self.head_size)
-        result = output[:N].view(N, self.num_heads * self.head_size)
-        if m.dense:
-            result.copy_(flat)
-        else:  # gathered straight into vLLM's output: a prefill's rows are megabytes
-            torch.index_select(flat, 0, m.batch_rows, out=result)
+        H, D = self.num_heads, self.head_size
+        q = query[:N].view(N, H, D)
+        result = output[:N].view(N, H * D)
+        for g in m.groups:
+            q_rows = q[g.tokens] if isinstance(g.tokens, slice) else q.index_select(0, g.tokens)
+            if g.pad_rows is None:  # the flat tokens are the padded batch: no copies
+                q_batch = q_rows
+            else:  # padding nodes (past num_nodes) are never read: left uninitialised
+                q_batch = q_rows.new_empty(g.B * g.T, H, D)
+                q_batch.index_copy_(0, g.pad_rows, q_rows)
+            out = torch.ops.specdec.tree_verify(
+                q_batch.view(g.B, g.T, H, D),
+                k_cache,
+                v_cache,
+                g.block_table,
+                g.cache_lens,
+                g.num_nodes,
+                g.tree_mask,
+                self.scale,
+            )
+            flat = out.reshape(g.B * g.T, H * D)
+            if isinstance(g.tokens, slice):  # straight into vLLM's output
+                if g.pad_rows is None:
+                    result[g.tokens].copy_(flat)
+                else:  # a prefill's rows are megabytes: gathered in place
+                    torch.index_select(flat, 0, g.pad_rows, out=result[g.tokens])
+            else:
+                rows = flat if g.pad_rows is None else flat.index_select(0, g.pad_rows)
+                result.index_copy_(0, g.tokens, rows)
         return output
 
 
