@@ -456,15 +456,23 @@ def profile_vllm(opts):
         holder = getattr(holder, owner) if owner else holder
         timed_functions.append((holder, name))
     instrument(totals, timed_functions)
-    # batch 1: one request at a time; else --concurrency requests (the prompts cycled) at once
-    if opts.concurrency == 1:
-        batches = [[q] for q in prompts]
+    # batch 1: one request at a time; else --concurrency requests (the prompts cycled) at once;
+    # --arrive-every N: the prompts arriving one every N engine steps (arrivals' prompt chunks
+    # in the steps of running decodes), at most --concurrency running
+    if opts.arrive_every:
+        from specdec.bench.vllm import _staggered
+
+        t0 = time.perf_counter()
+        tokens = sum(len(o) for o in _staggered(llm, prompts, params, opts.arrive_every))
     else:
-        batches = [[prompts[i % len(prompts)] for i in range(opts.concurrency)]]
-    tokens, t0 = 0, time.perf_counter()
-    for batch in batches:
-        outs = llm.generate([{"prompt_token_ids": q} for q in batch], params, use_tqdm=False)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        if opts.concurrency == 1:
+            batches = [[q] for q in prompts]
+        else:
+            batches = [[prompts[i % len(prompts)] for i in range(opts.concurrency)]]
+        tokens, t0 = 0, time.perf_counter()
+        for batch in batches:
+            outs = llm.generate([{"prompt_token_ids": q} for q in batch], params, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     steps = totals["GPUModelRunner.execute_model"][0]
     rows = timing_rows(totals, steps)
@@ -472,6 +480,7 @@ def profile_vllm(opts):
         "vllm_config": opts.vllm_config,
         "dtype": opts.dtype,
         "concurrency": opts.concurrency,
+        "arrive_every": opts.arrive_every,
         "steps": steps,
         "tokens": tokens,
         "tokens_per_step": tokens / steps,
@@ -522,6 +531,13 @@ def main():
     engine.add_argument("--max-new-tokens", type=int, default=128)
     vllm = p.add_argument_group("--part vllm (also --num-prompts, --max-new-tokens, --dtype)")
     vllm.add_argument("--concurrency", type=int, default=1, help="requests at once")
+    vllm.add_argument(
+        "--arrive-every",
+        type=int,
+        default=0,
+        help="the prompts arriving one every N engine steps instead (at most --concurrency "
+        "running)",
+    )
     vllm.add_argument(
         "--vllm-config",
         default="eagle+ngram:adaptive",
