@@ -143,7 +143,7 @@ class _StepRows:
             picked = lambda x: x  # noqa: E731
         else:
             query_lens, first, last = self.query_lens[rows], int(rows[0]), int(rows[-1])
-            picked = lambda x: x.index_select(0, rows)  # noqa: E731
+            picked = lambda x: x.index_select(0, rows.to(x.device))  # noqa: E731
         R, T = len(query_lens), max(int(query_lens.max()), 1)
         if last - first + 1 == R:  # consecutive rows: consecutive tokens
             tokens: slice | torch.Tensor = slice(
