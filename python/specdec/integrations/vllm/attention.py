@@ -100,8 +100,14 @@ class TreeAttentionMetadataBuilder:
         tree_mask, _ = torch.ops.specdec.build_tree_mask(parents, num_nodes)
         block_table = m.block_table_tensor[:B]
         trees.note_block_table(block_table)
-        step = _StepRows(starts, query_lens, (seq_lens - query_lens).to(torch.int32), num_nodes)
-        step.tree_mask, step.block_table = tree_mask, block_table
+        step = _StepRows(
+            starts,
+            query_lens,
+            (seq_lens - query_lens).to(torch.int32),
+            num_nodes,
+            tree_mask,
+            block_table,
+        )
         # decode and tree rows are at most as long as the longest tree; longer rows are
         # prompt chunks, attended apart so that the short rows are not padded to them
         short_len = max([len(p) for b, p in trees.step_parents().items() if b < B] + [1])
@@ -125,15 +131,16 @@ class TreeAttentionMetadataBuilder:
 
 @dataclass
 class _StepRows:
-    """A step's per-row tensors (query_lens, cache_lens, num_nodes: [B]; starts: [B + 1]),
-    from which RowGroups are cut."""
+    """A step's per-row tensors (query_lens, cache_lens, num_nodes: [B]; starts: [B + 1];
+    tree_mask: [B, T, ceil(T / 64)]; block_table: [B, max_blocks]), from which RowGroups are
+    cut."""
 
     starts: torch.Tensor
     query_lens: torch.Tensor
     cache_lens: torch.Tensor
     num_nodes: torch.Tensor
-    tree_mask: torch.Tensor = None  # type: ignore[assignment]
-    block_table: torch.Tensor = None  # type: ignore[assignment]
+    tree_mask: torch.Tensor
+    block_table: torch.Tensor
 
     def group(self, rows: torch.Tensor | None) -> RowGroup:
         """The RowGroup of rows ([R] int64 batch rows, increasing; None: all of them)."""

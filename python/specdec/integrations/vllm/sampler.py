@@ -15,7 +15,9 @@ top-p). Two layouts, the same result:
   deciding draft j + 1), passed without a copy. The op's bonus token is then a sample y of the
   target at the last draft's position: draft K is accepted iff y equals it (for a point-mass
   draft this is rejection sampling's own rule: accepted with probability p(x), and a rejected
-  y is p conditioned on y != x, the residual), and then vLLM's bonus token follows.
+  y is p conditioned on y != x, the residual), and then vLLM's bonus token follows. A tree
+  step (trees.py) with K nodes a request walks the same rows with the step's tree parents,
+  its last node checked the same way (`_walk_uniform`).
 - otherwise (drafts of different lengths, draft distributions): a [B, K + 1, V] copy, node
   k_b holding vLLM's bonus token as a point mass (0 at the token, -inf elsewhere), so that an
   all-accepted chain emits exactly vLLM's bonus token.
@@ -99,32 +101,23 @@ def rejection_sample(
         and all(n == K for n in num_draft_tokens)
         and target_logits.is_contiguous()
     )
-    if uniform_layout and not in_tree_step:  # K-node chains over vLLM's logits, draft K after
-        drafts = draft_token_ids.view(B, K).to(torch.int32)
-        tokens = torch.cat((fixed.zero_column, drafts[:, :-1]), dim=1)  # node 0 is unused
-        _, num_accepted, output = torch.ops.specdec.tree_rejection_sample(
-            target_logits.view(B, K, -1),
-            tokens,
-            fixed.chain_parents,
-            fixed.num_nodes,
-            None,
-            temperature,
-            fixed.top_k,
-            fixed.top_p,
-            _uniforms(sampling_metadata, num_draft_tokens, K + 1, fixed).to(device),
-        )
-        last = (num_accepted == K - 1) & (output[:, K - 1] == drafts[:, K - 1])
-        bonus = torch.where(last, bonus_token_ids.view(-1).to(torch.int32), -1)
-        return torch.cat((output, bonus[:, None]), dim=1)
-    if in_tree_step and uniform_layout:  # K-node trees over vLLM's logits as they are
-        return _uniform_trees(
+    if uniform_layout:  # K-node chains or trees over vLLM's logits as they are, node K after
+        parents = fixed.parents  # [B, K + 1] chains
+        if in_tree_step:  # overwritten by the step's trees (trees.py)
+            parents = parents.clone()
+            trees.write_step_trees(parents)
+        accepted_nodes, num_accepted, output = _walk_uniform(
             draft_token_ids.view(B, K).to(torch.int32),
             target_logits.view(B, K, -1),
             bonus_token_ids.view(-1).to(torch.int32),
+            parents,
             temperature,
             _uniforms(sampling_metadata, num_draft_tokens, K + 1, fixed).to(device),
             fixed,
         )
+        if in_tree_step:
+            trees.record_acceptance(accepted_nodes, num_accepted)
+        return output
     tree = chain_batch(
         draft_token_ids, num_draft_tokens, max_spec_len, draft_probs, target_logits, bonus_token_ids
     )
@@ -146,23 +139,20 @@ def rejection_sample(
     return output_tokens
 
 
-def _uniform_trees(drafts, logits, bonus, temperature, uniforms, fixed) -> torch.Tensor:
-    """A tree step whose every request drafted K nodes, without the padded copy: drafts
-    [B, K] int32 (node j + 1's token), logits [B, K, V] (vLLM's rows of nodes 0 .. K - 1),
-    bonus [B] int32 (vLLM's sample at node K) -> output tokens int32 [B, K + 1].
+def _walk_uniform(drafts, logits, bonus, parents, temperature, uniforms, fixed):
+    """A step whose every request drafted K nodes, without the padded copy: drafts [B, K]
+    int32 (node j + 1's token), logits [B, K, V] (vLLM's rows of nodes 0 .. K - 1), bonus [B]
+    int32 (vLLM's sample at node K), parents [B, K + 1] (chains, or the step's trees) ->
+    (accepted_nodes [B, K + 1], num_accepted [B], output tokens [B, K + 1]), int32.
 
-    The op walks nodes 0 .. K - 1; node K (the last, a leaf) is checked after, as the uniform
-    chain path checks its last draft: its siblings hold other tokens, so the walk stopping at
-    K's parent with K's token emitted is exactly the walk accepting K tried last among its
-    siblings (greedy: the parent's argmax is K's token; sampled: the residual draw is K's
-    token with the probability rejection sampling accepts K; any sibling order keeps the
-    target's distribution), and then vLLM's bonus token follows. Records the accepted nodes
-    for compact_kv as chain_batch's path does."""
-    from specdec.integrations.vllm import trees
-
+    The op walks nodes 0 .. K - 1; node K (the last, a leaf) is checked after: its siblings
+    hold other tokens, so the walk stopping at K's parent with K's token emitted is exactly
+    the walk accepting K tried last among its siblings (greedy: the parent's argmax is K's
+    token; sampled: the residual draw is K's token with the probability rejection sampling
+    accepts K; any sibling order keeps the target's distribution; in a chain K has no
+    siblings and this is rejection sampling's own rule for a point-mass draft), and then
+    vLLM's bonus token follows."""
     B, K = drafts.shape
-    parents = fixed.parents.clone()  # [B, K + 1] chains, overwritten by the step's trees
-    trees.write_step_trees(parents)
     tokens = torch.cat((fixed.zero_column, drafts[:, :-1]), dim=1)  # node 0 is unused
     accepted_nodes, num_accepted, output = torch.ops.specdec.tree_rejection_sample(
         logits,
@@ -187,12 +177,11 @@ def _uniform_trees(drafts, logits, bonus, temperature, uniforms, fixed) -> torch
         output[idx, n[idx] + 1] = bonus[idx]
         accepted_nodes[idx, n[idx] + 1] = K
         num_accepted = num_accepted + takes_last.to(num_accepted.dtype)
-    trees.record_acceptance(accepted_nodes, num_accepted)
-    return output
+    return accepted_nodes, num_accepted, output
 
 
 def _accepts_last(stopped_at, parent, emitted, token) -> torch.Tensor:
-    """[B] bool: the walk accepts the last node (_uniform_trees): it stopped at that node's
+    """[B] bool: the walk accepts the last node (_walk_uniform): it stopped at that node's
     parent and emitted that node's token."""
     return (stopped_at == parent) & (emitted == token)
 
@@ -208,8 +197,7 @@ class _FixedInputs:
     small tensors cost as much as the walk itself."""
 
     def __init__(self, B: int, K: int, device: str):
-        self.parents = chain_parents(B, K + 1, device)  # chains of K + 1 nodes (padded layout)
-        self.chain_parents = chain_parents(B, K, device)  # of K nodes (vLLM's logits as is)
+        self.parents = chain_parents(B, K + 1, device)  # chains of K + 1 nodes
         self.num_nodes = torch.full((B,), K, dtype=torch.int32, device=device)
         self.top_k = torch.zeros(B, dtype=torch.int32, device=device)  # 0: off (vLLM applied it)
         self.top_p = torch.ones(B, device=device)  # 1.0: off (vLLM applied it)
