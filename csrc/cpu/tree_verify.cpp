@@ -1,11 +1,14 @@
 // tree_verify on CPU: flash-decoding style tree attention over a paged KV cache.
 //
-// One task per (request b, KV head h), or per (b, h, segment) when those cannot occupy the
-// threads (see tree_verify_typed). All M = num_nodes[b] *
-// group_size query rows that share KV head h (GQA, group_size = Hq / Hkv; row m is tree node
-// m / group_size, query head h * group_size + m % group_size) are processed together, so each
-// K / V row is read from the cache once per KV head. The vector lanes run over query rows:
-// the queries are staged once per task transposed ([D, rows]), the scores of a tile are kept
+// One task per (request b, KV head h, block of up to kRowBlock query rows), or per (task,
+// segment) when those cannot occupy the threads (see tree_verify_typed); the threads take
+// the tasks dearest first, each the next when free. The query rows of a block share KV
+// head h (GQA, group_size = Hq / Hkv; row m is tree node m / group_size, query head
+// h * group_size + m % group_size) and are processed together, so each K / V row is read
+// from the cache once per block: once per KV head for a tree, a few times for a prefill
+// chunk, whose hundreds of rows would otherwise be one task per KV head (3 tasks on 2
+// threads for the default model) with buffers past the L2. The vector lanes run over query
+// rows: the queries are staged once per task transposed ([D, rows]), the scores of a tile are kept
 // transposed ([keys, rows]) and so is the output ([D, rows]). Then both products broadcast
 // single K / V elements from their natural row-major layout -- S^T[n, :] += K[n, d] * Q^T[d, :]
 // and O^T[d, :] += V[n, d] * P^T[n, :] -- and the online softmax (running max and sum per
@@ -17,7 +20,7 @@
 // rows are mask_words = ceil(T / 64) 64-bit words). The keys are taken in segments of
 // kSegment positions, each a fresh online softmax whose (O, max, sum) is folded into the
 // row's result in order: the same bits whether the segments ran in one task or in parallel
-// tasks, whatever the batch, the thread count or the tree's size.
+// tasks, whatever the batch, the thread count, the row blocks or the tree's size.
 //
 // The float loops use vectors of LANES float lanes (vec.h), compiled for AVX-512 (LANES = 16),
 // for AVX2 + FMA (LANES = 8) and for the baseline ISA (LANES = 4, SSE2 on x86-64). bfloat16
@@ -34,6 +37,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -66,6 +70,8 @@ constexpr int kMaxLanes = 16;  // the widest LANES (AVX-512): row buffers are pa
 constexpr int kMaxCols = 8;    // the largest kCols: head dims are padded to it
 constexpr int kMaxPanel = 2 * kMaxLanes;  // rows are padded to it
 constexpr int64_t kTile = 64;  // key positions staged at a time (even, a multiple of kMaxCols)
+// Query rows per task at most (a multiple of kMaxPanel): see row_tasks.
+constexpr int64_t kRowBlock = 128;
 // Keys are taken in segments of kSegment positions (fixed, from position 0): each from a
 // fresh online softmax, folded into the row's result in order (fold_segment). A split over
 // threads is a segment: the same bits whichever way the segments are run (see
@@ -124,7 +130,8 @@ struct Problem {
   int64_t mask_words;   // 64-bit words per tree_mask row: ceil(T / 64)
   float scale;          // sm_scale * log2(e)
   int64_t Dp;           // D padded to kMaxCols
-  int64_t Mp;           // the most rows of any task, T * group_size, padded to kMaxPanel
+  int64_t Mp;           // the row stride of a task's buffers: the most rows of any task,
+                        // T * group_size padded to kMaxPanel, at most kRowBlock (row_tasks)
   int64_t q_stride[3];  // q strides of b, t, head
   int64_t k_stride[3];  // k_cache strides of block, row in block, head
   int64_t v_stride[3];  // v_cache strides of block, row in block, head
@@ -163,37 +170,56 @@ struct Problem {
   }
 };
 
-// Thread-local scratch of one task, 64-byte aligned, zero-initialised (padding columns of
-// the staged tiles are never written, so they stay zero). Row-indexed buffers have a
-// stride of Mp, head-dim-indexed ones Dp. The bf16 buffers serve the AVX512-BF16 build.
+// The query rows [m0, m1) of request b that share KV head h: one task's rows (a row block,
+// see tree_verify_typed). Kernels index their workspace by row - m0.
+struct Rows {
+  int64_t b, h, m0, m1;
+  int64_t count() const { return m1 - m0; }
+};
+
+// Thread-local scratch of a thread's tasks, 64-byte aligned, zero-initialised. The
+// row-indexed buffers have a stride of Mp (set_rows: a call's rows per task, padded; at most
+// kRowBlock), so a small tree's rows stay contiguous; the staged tiles come after the row
+// buffers' largest extent, at the same place whatever the row stride (their padding columns
+// are never written, so they stay zero from call to call). Head-dim-indexed buffers have a stride
+// of Dp. The bf16 buffers serve the AVX512-BF16 build.
 struct Workspace {
   std::unique_ptr<uint8_t[]> mem;
+  uint8_t* rows_base;  // where the row-indexed buffers start
   float *qt, *ot, *s, *kt, *vt, *mx, *l, *alpha;
   uint32_t *qp, *kp, *vp, *pp;  // bf16 pairs (low half first)
+  int64_t Dp;
   template <typename T>
   static T* take(uint8_t*& cursor, int64_t n) {
     T* p = reinterpret_cast<T*>(cursor);
     cursor += (n * int64_t(sizeof(T)) + 63) / 64 * 64;
     return p;
   }
-  Workspace(int64_t Mp, int64_t Dp) {
-    const int64_t bytes =
-        4 * (2 * Dp * Mp + kTile * Mp + 2 * kTile * Dp + kMaxLanes * kTile + 3 * Mp) +
-        4 * (Dp / 2 * Mp + kTile * Dp / 2 + kTile / 2 * Dp + kTile / 2 * Mp) + 13 * 64 + 64;
+  explicit Workspace(int64_t Dp) : Dp(Dp) {
+    const int64_t Mp = kRowBlock;
+    const int64_t row_bytes =
+        4 * (2 * Dp * Mp + kTile * Mp + 3 * Mp + Dp / 2 * Mp + kTile / 2 * Mp);
+    const int64_t bytes = row_bytes + 4 * (2 * kTile * Dp + kMaxLanes * kTile) +
+                          4 * (kTile * Dp / 2 + kTile / 2 * Dp) + 13 * 64 + 64;
     mem.reset(new uint8_t[bytes]());
-    uint8_t* cursor = mem.get() + (64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64;
-    qt = take<float>(cursor, Dp * Mp);                   // [Dp, Mp] queries, transposed
-    ot = take<float>(cursor, Dp * Mp);                   // [Dp, Mp] unnormalised output, transposed
-    s = take<float>(cursor, kTile * Mp);                 // [kTile, Mp] scores, then probabilities
+    rows_base = mem.get() + (64 - reinterpret_cast<uintptr_t>(mem.get()) % 64) % 64;
+    uint8_t* cursor = rows_base + (row_bytes + 8 * 64 + 63) / 64 * 64;
     kt = take<float>(cursor, kTile * (Dp + kMaxLanes));  // [kTile, Dp] ([Dw, kTile]: attend_few)
     vt = take<float>(cursor, kTile * Dp);                // [kTile, Dp] V tile
-    mx = take<float>(cursor, Mp);                        // [Mp] running max (base 2)
-    l = take<float>(cursor, Mp);                         // [Mp] running sum
-    alpha = take<float>(cursor, Mp);                     // [Mp] rescale of o for the current tile
-    qp = take<uint32_t>(cursor, Dp / 2 * Mp);            // [Dp / 2, Mp] (q[m, 2i], q[m, 2i + 1])
     kp = take<uint32_t>(cursor, kTile * Dp / 2);         // [kTile, Dp / 2] (k[n, 2i], k[n, 2i + 1])
     vp = take<uint32_t>(cursor, kTile / 2 * Dp);         // [kTile / 2, Dp] (v[2j, d], v[2j + 1, d])
-    pp = take<uint32_t>(cursor, kTile / 2 * Mp);         // [kTile / 2, Mp] (p[2j, m], p[2j + 1, m])
+    set_rows(Mp);
+  }
+  void set_rows(int64_t Mp) {  // Mp <= kRowBlock
+    uint8_t* cursor = rows_base;
+    qt = take<float>(cursor, Dp * Mp);            // [Dp, Mp] queries, transposed
+    ot = take<float>(cursor, Dp * Mp);            // [Dp, Mp] unnormalised output, transposed
+    s = take<float>(cursor, kTile * Mp);          // [kTile, Mp] scores, then probabilities
+    mx = take<float>(cursor, Mp);                 // [Mp] running max (base 2)
+    l = take<float>(cursor, Mp);                  // [Mp] running sum
+    alpha = take<float>(cursor, Mp);              // [Mp] rescale of o for the current tile
+    qp = take<uint32_t>(cursor, Dp / 2 * Mp);     // [Dp / 2, Mp] (q[m, 2i], q[m, 2i + 1])
+    pp = take<uint32_t>(cursor, kTile / 2 * Mp);  // [kTile / 2, Mp] (p[2j, m], p[2j + 1, m])
   }
 };
 
@@ -271,12 +297,12 @@ SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t
   }
 }
 
-// Hides the tree columns of the tile [p, p + nt) a row may not see (its tree_mask bit is
-// clear); s is [kTile, Mp], already scaled.
+// Hides the tree columns of the tile [p, p + nt) a row of r from `first` on may not see (its
+// tree_mask bit is clear); s is [kTile, Mp] (row m at column m - r.m0), already scaled.
 template <typename scalar_t>
-SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, int64_t b, int64_t p,
-                              int64_t nt, int64_t m0) {
-  const int64_t c = P.cache_lens[b], M = P.rows(b);
+SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, const Rows& r, int64_t p,
+                              int64_t nt, int64_t first) {
+  const int64_t b = r.b, c = P.cache_lens[b], M = r.m1, m0 = r.m0 + first;
   const int64_t j0 = std::max<int64_t>(0, c - p);  // first tree column of the tile
   if (j0 >= nt) return;
   // The tile's tree columns [j0, nt) are nodes n0 .. n0 + nt - j0 - 1 (at most kTile = 64):
@@ -292,8 +318,9 @@ SPECDEC_INLINE void mask_tile(const Problem<scalar_t>& P, float* s, int64_t b, i
     if (shift && w + 1 < P.mask_words) seen |= bits[w + 1] << (64 - shift);
     for (uint64_t hidden = ~seen & all; hidden; hidden &= hidden - 1) {
       const int64_t j = j0 + __builtin_ctzll(hidden);
-      for (int64_t m = std::max(m0, node * P.group_size); m < (node + 1) * P.group_size; ++m) {
-        s[j * P.Mp + m] = kNegInf;
+      const int64_t end = std::min((node + 1) * P.group_size, M);
+      for (int64_t m = std::max(m0, node * P.group_size); m < end; ++m) {
+        s[j * P.Mp + m - r.m0] = kNegInf;
       }
     }
   }
@@ -347,7 +374,7 @@ SPECDEC_INLINE void softmax_tile(float* s, int64_t Mp, int64_t Mr, int64_t nt, f
 
 // Resets o^T and the running max and sum of rows [0, Mr).
 SPECDEC_INLINE void reset_rows(Workspace& ws, int64_t Mp, int64_t Dp, int64_t Mr) {
-  std::fill(ws.ot, ws.ot + Dp * Mp, 0.f);
+  for (int64_t d = 0; d < Dp; ++d) std::fill_n(ws.ot + d * Mp, Mr, 0.f);
   std::fill(ws.mx, ws.mx + Mr, kNegInf);
   std::fill(ws.l, ws.l + Mr, 0.f);
 }
@@ -378,19 +405,20 @@ SPECDEC_INLINE void transpose_square(typename Simd<LANES>::f* v) {
   }
 }
 
-// Stages the M query rows of (b, h) transposed, qt [D, Mp] as float, rows [M, Mr) zero:
+// Stages the M query rows of r transposed, qt [D, Mp] as float, rows [M, Mr) zero:
 // float32 head dims of whole vectors LANES x LANES through registers (a scalar transposed
 // store per element touched a cache line each: a fifth of a prefill's attention time).
 template <int LANES, typename scalar_t>
-SPECDEC_INLINE void stage_queries_transposed(const Problem<scalar_t>& P, float* qt, int64_t b,
-                                             int64_t h, int64_t M, int64_t Mr) {
+SPECDEC_INLINE void stage_queries_transposed(const Problem<scalar_t>& P, float* qt, const Rows& r,
+                                             int64_t Mr) {
   using vfloat = typename Simd<LANES>::f;
-  const int64_t D = P.D, Mp = P.Mp;
+  const int64_t D = P.D, Mp = P.Mp, M = r.count();
+  const auto q_row = [&](int64_t m) { return P.q_row(r.b, r.h, r.m0 + m); };
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (D % LANES == 0) {
       for (int64_t m0 = 0; m0 < Mr; m0 += LANES) {
         const float* src[LANES];
-        for (int i = 0; i < LANES; ++i) src[i] = m0 + i < M ? P.q_row(b, h, m0 + i) : nullptr;
+        for (int i = 0; i < LANES; ++i) src[i] = m0 + i < M ? q_row(m0 + i) : nullptr;
         for (int64_t d0 = 0; d0 < D; d0 += LANES) {
           vfloat v[LANES];
           for (int i = 0; i < LANES; ++i) v[i] = src[i] ? load<LANES>(src[i] + d0) : vfloat{};
@@ -402,19 +430,20 @@ SPECDEC_INLINE void stage_queries_transposed(const Problem<scalar_t>& P, float* 
     }
   }
   for (int64_t m = 0; m < Mr; ++m) {  // padding rows: zero queries, harmless scores
-    const scalar_t* src = m < M ? P.q_row(b, h, m) : nullptr;
+    const scalar_t* src = m < M ? q_row(m) : nullptr;
     for (int64_t d = 0; d < D; ++d) qt[d * Mp + m] = src ? static_cast<float>(src[d]) : 0.f;
   }
 }
 
-// Runs the positions of split s of (b, h) in float; leaves unnormalised o^T, mx and l in ws.
+// Runs the positions of split s for the rows of r in float; leaves unnormalised o^T, mx and l
+// in ws.
 template <int LANES, typename scalar_t>
-SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
-                           int64_t s) {
+SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, const Rows& r, int64_t s) {
   constexpr int C = kCols<LANES>;
-  const int64_t M = P.rows(b), Mr = (M + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
+  const int64_t b = r.b, h = r.h, M = r.count();
+  const int64_t Mr = (M + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
   const int64_t D = P.D, Dp = P.Dp, Mp = P.Mp;
-  stage_queries_transposed<LANES>(P, ws.qt, b, h, M, Mr);
+  stage_queries_transposed<LANES>(P, ws.qt, r, Mr);
   reset_rows(ws, Mp, Dp, Mr);
   const auto [p0, p1] = P.segment_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
@@ -425,17 +454,18 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, int64_t b,
     // Row panels before r0 see no key of this tile (a prefill chunk's early rows and its
     // later tiles): skipped, which leaves their (o, max, sum) as a tile of invisible keys
     // would (alpha 1, probabilities 0).
-    const int64_t r0 = first_visible_row(P, b, p, nt) / (2 * LANES) * (2 * LANES);
-    for (int64_t r = r0; r < Mr; r += 2 * LANES) {
+    const int64_t first = std::clamp<int64_t>(first_visible_row(P, b, p, nt) - r.m0, 0, Mr);
+    const int64_t r0 = first / (2 * LANES) * (2 * LANES);
+    for (int64_t i = r0; i < Mr; i += 2 * LANES) {
       for (int64_t j = 0; j < nk; j += C) {
-        score_block<LANES>(ws.qt + r, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + r);
+        score_block<LANES>(ws.qt + i, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + i);
       }
     }
-    mask_tile(P, ws.s, b, p, nt, r0);
+    mask_tile(P, ws.s, r, p, nt, r0);
     softmax_tile<LANES>(ws.s + r0, Mp, Mr - r0, nt, ws.mx + r0, ws.l + r0, ws.alpha + r0);
-    for (int64_t r = r0; r < Mr; r += 2 * LANES) {
+    for (int64_t i = r0; i < Mr; i += 2 * LANES) {
       for (int64_t d = 0; d < Dp; d += C) {
-        update_block<LANES>(ws.s + r, ws.vt + d, nt, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+        update_block<LANES>(ws.s + i, ws.vt + d, nt, Dp, Mp, ws.alpha + i, ws.ot + d * Mp + i);
       }
     }
   }
@@ -590,10 +620,12 @@ SPECDEC_INLINE void few_rows_update(const float* const* vrows, const float* p, i
 }
 
 template <int LANES, typename scalar_t>
-SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
+SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const Rows& r,
                                int64_t s) {
   using vfloat = typename Simd<LANES>::f;
-  const int64_t M = P.rows(b), D = P.D, Dw = (D + LANES - 1) / LANES * LANES, Mp = P.Mp;
+  // a request's rows whole (r.m0 = 0: tree_verify_typed), so row m is the mask's row m
+  const int64_t b = r.b, h = r.h, M = r.count(), D = P.D, Mp = P.Mp;
+  const int64_t Dw = (D + LANES - 1) / LANES * LANES;
   constexpr int kKeyVecs = kTile / LANES;
   alignas(64) float q[kFewRows * (kFewMaxD + kMaxLanes)];  // [M, Dw], zero padded
   alignas(64) float o[kFewRows * (kFewMaxD + kMaxLanes)];  // [M, Dw] unnormalised output
@@ -761,11 +793,11 @@ SPECDEC_BF16_TARGET SPECDEC_INLINE void pair_probs(const float* s, int64_t nt, i
 // Rows run in panels of 32 (two vectors), the last one 16 wide when that holds the rest: a
 // small tree's 9-16 rows per KV head no longer pay for 32.
 SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Workspace& ws,
-                                           int64_t b, int64_t h, int64_t s) {
-  const int64_t M = P.rows(b), Mr = (M + 15) / 16 * 16;
+                                           const Rows& r, int64_t s) {
+  const int64_t b = r.b, h = r.h, M = r.count(), Mr = (M + 15) / 16 * 16;
   const int64_t D = P.D, Dp = P.Dp, Dh = (D + 1) / 2, Mp = P.Mp;
   for (int64_t m = 0; m < Mr; ++m) {  // padding rows and the odd head dim: zero
-    const c10::BFloat16* src = m < M ? P.q_row(b, h, m) : nullptr;
+    const c10::BFloat16* src = m < M ? P.q_row(b, h, r.m0 + m) : nullptr;
     for (int64_t i = 0; i < Dh; ++i) {
       const uint32_t lo = src ? bits(src[2 * i]) : 0;
       const uint32_t hi = src && 2 * i + 1 < D ? bits(src[2 * i + 1]) : 0;
@@ -787,25 +819,28 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
       }
     }
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    for (int64_t r = 0; r < Mr; r += 32) {
+    // Row panels before r0 see no key of this tile: skipped, as attend() does.
+    const int64_t first = std::clamp<int64_t>(first_visible_row(P, b, p, nt) - r.m0, 0, Mr);
+    const int64_t r0 = first / 32 * 32;
+    for (int64_t i = r0; i < Mr; i += 32) {
       for (int64_t j = 0; j < nk; j += 8) {
         const uint32_t* kp = ws.kp + j * Dp / 2;
-        if (Mr - r >= 32) {
-          score_block_bf16<2>(ws.qp + r, kp, Dh, Dp, Mp, P.scale, ws.s + j * Mp + r);
+        if (Mr - i >= 32) {
+          score_block_bf16<2>(ws.qp + i, kp, Dh, Dp, Mp, P.scale, ws.s + j * Mp + i);
         } else {
-          score_block_bf16<1>(ws.qp + r, kp, Dh, Dp, Mp, P.scale, ws.s + j * Mp + r);
+          score_block_bf16<1>(ws.qp + i, kp, Dh, Dp, Mp, P.scale, ws.s + j * Mp + i);
         }
       }
     }
-    mask_tile(P, ws.s, b, p, nt, 0);
-    softmax_tile<16>(ws.s, Mp, Mr, nt, ws.mx, ws.l, ws.alpha);
-    pair_probs(ws.s, nt, Mp, Mr, ws.pp);
-    for (int64_t r = 0; r < Mr; r += 32) {
+    mask_tile(P, ws.s, r, p, nt, r0);
+    softmax_tile<16>(ws.s + r0, Mp, Mr - r0, nt, ws.mx + r0, ws.l + r0, ws.alpha + r0);
+    pair_probs(ws.s + r0, nt, Mp, Mr - r0, ws.pp + r0);
+    for (int64_t i = r0; i < Mr; i += 32) {
       for (int64_t d = 0; d < Dp; d += 8) {
-        if (Mr - r >= 32) {
-          update_block_bf16<2>(ws.pp + r, ws.vp + d, nj, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+        if (Mr - i >= 32) {
+          update_block_bf16<2>(ws.pp + i, ws.vp + d, nj, Dp, Mp, ws.alpha + i, ws.ot + d * Mp + i);
         } else {
-          update_block_bf16<1>(ws.pp + r, ws.vp + d, nj, Dp, Mp, ws.alpha + r, ws.ot + d * Mp + r);
+          update_block_bf16<1>(ws.pp + i, ws.vp + d, nj, Dp, Mp, ws.alpha + i, ws.ot + d * Mp + i);
         }
       }
     }
@@ -819,8 +854,8 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
 // outputs, kept in registers across the tile. Same softmax and hand-off as attend_few.
 template <int ROWS>
 SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, Workspace& ws,
-                                              int64_t b, int64_t h, int64_t s) {
-  const int64_t D = P.D, Mp = P.Mp, chunks = D / 32;
+                                              const Rows& r, int64_t s) {
+  const int64_t b = r.b, h = r.h, D = P.D, Mp = P.Mp, chunks = D / 32;
   __m512i q[ROWS][kFewMaxD / 32];               // the query rows' bf16 pairs
   alignas(64) float o[ROWS * kFewMaxD];         // [ROWS, D] unnormalised output
   alignas(64) float sc[kFewRows * kTile] = {};  // [ROWS, kTile] scores, then probabilities
@@ -883,42 +918,41 @@ SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, W
 // ---------------------------------------------------------------- dispatch
 template <typename scalar_t>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_avx512(
-    const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h, int64_t s) {
-  attend<16>(P, ws, b, h, s);
+    const Problem<scalar_t>& P, Workspace& ws, const Rows& r, int64_t s) {
+  attend<16>(P, ws, r, s);
 }
 
 template <typename scalar_t>
 __attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Problem<scalar_t>& P, Workspace& ws,
-                                                          int64_t b, int64_t h, int64_t s) {
-  attend<8>(P, ws, b, h, s);
+                                                          const Rows& r, int64_t s) {
+  attend<8>(P, ws, r, s);
 }
 
 template <typename scalar_t>
-void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h, int64_t s) {
-  attend<4>(P, ws, b, h, s);
+void attend_baseline(const Problem<scalar_t>& P, Workspace& ws, const Rows& r, int64_t s) {
+  attend<4>(P, ws, r, s);
 }
 
 template <typename scalar_t>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_few_avx512(
-    const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h, int64_t s) {
-  attend_few<16>(P, ws, b, h, s);
+    const Problem<scalar_t>& P, Workspace& ws, const Rows& r, int64_t s) {
+  attend_few<16>(P, ws, r, s);
 }
 
 template <typename scalar_t>
 __attribute__((target("avx2,fma,f16c"))) void attend_few_avx2(const Problem<scalar_t>& P,
-                                                              Workspace& ws, int64_t b, int64_t h,
+                                                              Workspace& ws, const Rows& r,
                                                               int64_t s) {
-  attend_few<8>(P, ws, b, h, s);
+  attend_few<8>(P, ws, r, s);
 }
 
 template <typename scalar_t>
-void attend_few_baseline(const Problem<scalar_t>& P, Workspace& ws, int64_t b, int64_t h,
-                         int64_t s) {
-  attend_few<4>(P, ws, b, h, s);
+void attend_few_baseline(const Problem<scalar_t>& P, Workspace& ws, const Rows& r, int64_t s) {
+  attend_few<4>(P, ws, r, s);
 }
 
 template <typename scalar_t>
-using AttendFn = void (*)(const Problem<scalar_t>&, Workspace&, int64_t, int64_t, int64_t);
+using AttendFn = void (*)(const Problem<scalar_t>&, Workspace&, const Rows&, int64_t);
 
 // attend_few_bf16_rows<1> .. <kFewRows>, by row count - 1.
 template <size_t... I>
@@ -929,11 +963,10 @@ constexpr std::array<AttendFn<c10::BFloat16>, sizeof...(I)> few_bf16_by_rows(
 
 // The AVX512-BF16 few-rows kernel for this task's row count; head dims that are not a
 // multiple of 32 take the AVX-512 build.
-void attend_few_bf16(const Problem<c10::BFloat16>& P, Workspace& ws, int64_t b, int64_t h,
-                     int64_t s) {
-  if (P.D % 32 != 0) return attend_few_avx512<c10::BFloat16>(P, ws, b, h, s);
+void attend_few_bf16(const Problem<c10::BFloat16>& P, Workspace& ws, const Rows& r, int64_t s) {
+  if (P.D % 32 != 0) return attend_few_avx512<c10::BFloat16>(P, ws, r, s);
   static constexpr auto kByRows = few_bf16_by_rows(std::make_index_sequence<kFewRows>());
-  kByRows[std::min(P.rows(b), kFewRows) - 1](P, ws, b, h, s);
+  kByRows[std::min(r.count(), kFewRows) - 1](P, ws, r, s);
 }
 
 // The few-rows kernel for the widest build cpu_isa() allows.
@@ -963,12 +996,12 @@ AttendFn<scalar_t> pick_attend() {
 // out[b, m / group_size, h * group_size + m % group_size, :] = ot[:, m] / l[m] for the M valid
 // rows (rows without any visible key have l = 0 and o = 0 and stay zero).
 template <typename scalar_t>
-void write_rows(const Problem<scalar_t>& P, scalar_t* out, int64_t b, int64_t h, const float* ot,
+void write_rows(const Problem<scalar_t>& P, scalar_t* out, const Rows& r, const float* ot,
                 const float* l) {
-  for (int64_t m = 0; m < P.rows(b); ++m) {
-    const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
-    scalar_t* dst = out + P.out_offset(b, h, m);
-    for (int64_t d = 0; d < P.D; ++d) dst[d] = static_cast<scalar_t>(ot[d * P.Mp + m] * inv);
+  for (int64_t i = 0; i < r.count(); ++i) {
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    scalar_t* dst = out + P.out_offset(r.b, r.h, r.m0 + i);
+    for (int64_t d = 0; d < P.D; ++d) dst[d] = static_cast<scalar_t>(ot[d * P.Mp + i] * inv);
   }
 }
 
@@ -977,7 +1010,7 @@ int block_shift(int64_t block_size) {
   return (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(uint64_t(block_size)) : -1;
 }
 
-// Segment partials (o^T [D, Mp], max and sum [Mp] each, of the M rows of a (b, h) pair) and
+// Segment partials (o^T [D, Mp], max and sum [Mp] each, of the M rows of a task) and
 // the one way they are combined: fold_segment, in segment order, from (0, -inf, 0).
 struct Partial {
   float *o, *mx, *l;
@@ -1006,17 +1039,76 @@ void fold_segment(Partial acc, const Partial& seg, int64_t M, int64_t D, int64_t
   }
 }
 
-// A (b, h) pair's running result: zero output, max -inf, sum 0.
+// A task's running result: zero output, max -inf, sum 0 (its M rows only; row stride Mp, at
+// most kRowBlock).
 struct Accumulator {
   std::vector<float> o, mx, l;
-  Accumulator(int64_t D, int64_t Mp) : o(D * Mp), mx(Mp), l(Mp) {}
-  Partial reset() {
-    std::fill(o.begin(), o.end(), 0.f);
-    std::fill(mx.begin(), mx.end(), kNegInf);
-    std::fill(l.begin(), l.end(), 0.f);
+  int64_t D, Mp = kRowBlock;
+  explicit Accumulator(int64_t D) : o(D * kRowBlock), mx(kRowBlock), l(kRowBlock), D(D) {}
+  Partial reset(int64_t M) {
+    for (int64_t d = 0; d < D; ++d) std::fill_n(o.data() + d * Mp, M, 0.f);
+    std::fill_n(mx.data(), M, kNegInf);
+    std::fill_n(l.data(), M, 0.f);
     return {o.data(), mx.data(), l.data()};
   }
 };
+
+// This thread's workspace and accumulator for P's shape, kept from call to call: at a decode
+// step's sizes, allocating (and zeroing) them per call cost more than a task's attention
+// (page faults; profile in docs/benchmarks.md, "tree_verify on CPU").
+template <typename scalar_t>
+std::pair<Workspace*, Accumulator*> thread_scratch(const Problem<scalar_t>& P) {
+  thread_local std::unique_ptr<Workspace> ws;
+  thread_local std::unique_ptr<Accumulator> acc;
+  thread_local int64_t shape[2] = {-1, -1};  // Dp, D: the tile padding a shape leaves zero
+  if (!ws || shape[0] != P.Dp || shape[1] != P.D) {
+    ws = std::make_unique<Workspace>(P.Dp);
+    acc = std::make_unique<Accumulator>(P.Dp);
+    shape[0] = P.Dp;
+    shape[1] = P.D;
+  }
+  ws->set_rows(P.Mp);
+  acc->Mp = P.Mp;
+  return {ws.get(), acc.get()};
+}
+
+// The tasks of a call: per request and KV head its rows whole when the few-rows kernel takes
+// them, else in blocks of kRowBlock (a prefill chunk's hundreds of rows become several
+// tasks, which keeps both threads of a batch-1 prompt busy and a task's buffers in L2), the
+// dearest first (rows times the keys the last row sees): the tasks are taken in that order
+// by whichever thread is free. The order does not change a row's bits.
+template <typename scalar_t>
+std::vector<Rows> row_tasks(const Problem<scalar_t>& P, int64_t B) {
+  std::vector<std::pair<int64_t, Rows>> costed;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t M = P.rows(b), block = M <= kFewRows ? M : kRowBlock;
+    for (int64_t h = 0; h < P.Hkv; ++h) {
+      for (int64_t m0 = 0; m0 < M; m0 += block) {
+        const int64_t m1 = std::min(m0 + block, M);
+        const int64_t keys = P.cache_lens[b] + (m1 - 1) / P.group_size + 1;
+        costed.push_back({(m1 - m0) * keys, Rows{b, h, m0, m1}});
+      }
+    }
+  }
+  std::stable_sort(costed.begin(), costed.end(),
+                   [](const auto& x, const auto& y) { return x.first > y.first; });
+  std::vector<Rows> tasks;
+  tasks.reserve(costed.size());
+  for (const auto& c : costed) tasks.push_back(c.second);
+  return tasks;
+}
+
+// Runs fn(task index) for [0, n) on the intra-op threads, each taking the next task when
+// free (at::parallel_for hands out fixed ranges, which a causal prompt's unequal blocks
+// would leave unbalanced).
+template <typename F>
+void for_each_task(int64_t n, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < n; t = next++) fn(t);
+  });
+}
 
 template <typename scalar_t>
 void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
@@ -1029,64 +1121,59 @@ void tree_verify_typed(const Problem<scalar_t>& P, int64_t B, scalar_t* out) {
   // AVX512-BF16 CPUs (their vdpbf16ps kernels).
   const auto attend_fn = pick_attend<scalar_t>();
   const auto attend_few_fn = P.D <= kFewMaxD ? pick_attend_few<scalar_t>() : attend_fn;
-  const auto attend_segment = [&](Workspace& ws, int64_t b, int64_t h, int64_t s) {
-    (P.rows(b) <= kFewRows ? attend_few_fn : attend_fn)(P, ws, b, h, s);
+  const auto attend_segment = [&](Workspace& ws, const Rows& r, int64_t s) {
+    (P.rows(r.b) <= kFewRows ? attend_few_fn : attend_fn)(P, ws, r, s);
     return Partial{ws.ot, ws.mx, ws.l};
   };
-  const int64_t groups = B * P.Hkv;
-  int64_t segments = 1;  // per request, at most
-  for (int64_t b = 0; b < B; ++b) {
-    segments = std::max(segments, (P.length(b) + kSegment - 1) / kSegment);
-  }
-  // One task per (request, KV head) when those occupy the threads (x4 for balance), the
-  // contexts are short (a second parallel pass for the folds costs more than it balances)
-  // or the partials would not fit the budget; else one per segment, the partials kept.
-  // Either way the same folds in the same order: the same bits.
+  const std::vector<Rows> tasks = row_tasks(P, B);
+  const int64_t n = int64_t(tasks.size());
+  const auto segments_of = [&](const Rows& r) { return (P.length(r.b) + kSegment - 1) / kSegment; };
+  int64_t segments = 1;  // per task, at most
+  for (const Rows& r : tasks) segments = std::max(segments, segments_of(r));
+  // One task per row block when those occupy the threads (x4 for balance), the contexts are
+  // short (a second parallel pass for the folds costs more than it balances) or the
+  // partials would not fit the budget; else one per segment, the partials kept. Either way
+  // the same folds in the same order: the same bits.
   const int64_t partial_floats = P.D * P.Mp + 2 * P.Mp;
-  const bool split = segments >= kMinSplitSegments && groups < 4 * at::get_num_threads() &&
-                     groups * segments * partial_floats * 4 <= kPartialsBudget;
+  const bool split = segments >= kMinSplitSegments && n < 4 * at::get_num_threads() &&
+                     n * segments * partial_floats * 4 <= kPartialsBudget;
   if (!split) {
-    at::parallel_for(0, groups, 1, [&](int64_t t0, int64_t t1) {
-      Workspace ws(P.Mp, P.Dp);
-      Accumulator acc(P.D, P.Mp);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / P.Hkv, h = t % P.Hkv;
-        const Partial result = acc.reset();
-        for (int64_t s = 0; s * kSegment < P.length(b); ++s) {
-          fold_segment(result, attend_segment(ws, b, h, s), P.rows(b), P.D, P.Mp);
-        }
-        write_rows(P, out, b, h, result.o, result.l);
+    for_each_task(n, [&](int64_t t) {
+      auto [ws, acc] = thread_scratch(P);
+      const Rows& r = tasks[t];
+      const Partial result = acc->reset(r.count());
+      for (int64_t s = 0; s < segments_of(r); ++s) {
+        fold_segment(result, attend_segment(*ws, r, s), r.count(), P.D, P.Mp);
       }
+      write_rows(P, out, r, result.o, result.l);
     });
     return;
   }
-  // uninitialised: every task writes its whole slot before the folds read it
-  std::unique_ptr<float[]> partials(new float[groups * segments * partial_floats]);
+  // uninitialised: every task writes the columns of its rows before the folds read them
+  std::unique_ptr<float[]> partials(new float[n * segments * partial_floats]);
   const auto saved = [&](int64_t t) {  // task t = g * segments + s
     float* base = partials.get() + t * partial_floats;
     return Partial{base, base + P.D * P.Mp, base + P.D * P.Mp + P.Mp};
   };
-  at::parallel_for(0, groups * segments, 1, [&](int64_t t0, int64_t t1) {
-    Workspace ws(P.Mp, P.Dp);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (P.Hkv * segments), h = (t / segments) % P.Hkv, s = t % segments;
-      const Partial seg = attend_segment(ws, b, h, s);
-      const Partial dst = saved(t);
-      std::copy(seg.o, seg.o + P.D * P.Mp, dst.o);
-      std::copy(seg.mx, seg.mx + P.Mp, dst.mx);
-      std::copy(seg.l, seg.l + P.Mp, dst.l);
-    }
+  for_each_task(n * segments, [&](int64_t t) {
+    const Rows& r = tasks[t / segments];
+    const int64_t s = t % segments, M = r.count();
+    if (s >= segments_of(r)) return;
+    Workspace& ws = *thread_scratch(P).first;
+    const Partial seg = attend_segment(ws, r, s);
+    const Partial dst = saved(t);
+    for (int64_t d = 0; d < P.D; ++d) std::copy_n(seg.o + d * P.Mp, M, dst.o + d * P.Mp);
+    std::copy_n(seg.mx, M, dst.mx);
+    std::copy_n(seg.l, M, dst.l);
   });
-  at::parallel_for(0, groups, 1, [&](int64_t t0, int64_t t1) {
-    Accumulator acc(P.D, P.Mp);
-    for (int64_t g = t0; g < t1; ++g) {
-      const int64_t b = g / P.Hkv, h = g % P.Hkv;
-      const Partial result = acc.reset();
-      for (int64_t s = 0; s * kSegment < P.length(b); ++s) {
-        fold_segment(result, saved(g * segments + s), P.rows(b), P.D, P.Mp);
-      }
-      write_rows(P, out, b, h, result.o, result.l);
+  for_each_task(n, [&](int64_t g) {
+    Accumulator& acc = *thread_scratch(P).second;
+    const Rows& r = tasks[g];
+    const Partial result = acc.reset(r.count());
+    for (int64_t s = 0; s < segments_of(r); ++s) {
+      fold_segment(result, saved(g * segments + s), r.count(), P.D, P.Mp);
     }
+    write_rows(P, out, r, result.o, result.l);
   });
 }
 
@@ -1114,7 +1201,7 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
                       tree_mask.size(2),
                       static_cast<float>(sm_scale * kLog2e),
                       (D + kMaxCols - 1) / kMaxCols * kMaxCols,
-                      (T * group_size + kMaxPanel - 1) / kMaxPanel * kMaxPanel,
+                      std::min((T * group_size + kMaxPanel - 1) / kMaxPanel * kMaxPanel, kRowBlock),
                       {q.stride(0), q.stride(1), q.stride(2)},
                       {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
                       {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)}};

@@ -159,10 +159,11 @@ def _skip_unless_isa(isa, device):
 def test_cpu_isa_builds(isa, dtype, device, cpu_isa):
     """The C++ CPU kernel is compiled for AVX-512 (+ a bf16 dot-product build for bfloat16),
     AVX2 and the baseline ISA and runs the widest the CPU has; set_cpu_isa caps it so
-    the narrower builds are tested too."""
+    the narrower builds are tested too (40 nodes x 4 query heads per KV head: two row
+    blocks)."""
     _skip_unless_isa(isa, device)
     cpu_isa(isa)
-    check(make_case(2, 20, 8, 2, 40, 4, dtype, device, cache_lens=[300, 7]), "cpp")
+    check(make_case(2, 40, 8, 2, 40, 4, dtype, device, cache_lens=[300, 7]), "cpp")
 
 
 FEW_ROWS_SHAPES = [(1, 9, 3, 64), (2, 8, 2, 40), (1, 32, 4, 128), (1, 2, 1, 8), (1, 4, 4, 300)]
@@ -244,6 +245,28 @@ def test_node_output_is_the_plain_steps(ctx, dtype, threads, isa, device, cpu_is
                         **_plain_step_of(tree, b, node, parents[0]), backend="cpp"
                     )
                     assert torch.equal(whole[b, node], plain[0, 0]), (b, node, parents[0].tolist())
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_rows_are_the_plain_steps(threads, device, cpu_isa):
+    """A prefill chunk's rows are split into blocks of 128 query rows, taken by whichever
+    thread is free: every row must still get the bits of the plain step that decodes its
+    token (a chain: its nodes sit where they will stay). 60 nodes x 3 query heads per KV head
+    = 180 rows, two blocks, node 42 straddling them; float32 on the AVX-512 build."""
+    if device.type != "cpu":
+        pytest.skip("the CPU kernel's property")
+    cpu_isa("avx512")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        case = make_case(1, 60, 9, 3, 64, 16, torch.float32, device, "chain", [37], full=True)
+        whole = sk.tree_verify(**case, backend="cpp")
+        chain = torch.arange(60) - 1
+        for node in range(60):
+            plain = sk.tree_verify(**_plain_step_of(case, 0, node, chain), backend="cpp")
+            assert torch.equal(whole[0, node], plain[0, 0]), node
     finally:
         torch.set_num_threads(before)
 
