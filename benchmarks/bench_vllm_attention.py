@@ -61,6 +61,8 @@ class Step:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         self.ops, self.isa = ops, _get_attn_isa(dtype, BLOCK_SIZE, D)
+        if self.isa == "amx":  # the tile state needs the kernel's permission, as vLLM asks it
+            torch.cpu._init_amx()
         B = len(cache_lens)
         seq = [c + q for c, q in zip(cache_lens, query_lens)]
         blocks = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq]
