@@ -102,18 +102,21 @@ def rejection_sample(
         and target_logits.is_contiguous()
     )
     if uniform_layout:  # K-node chains or trees over vLLM's logits as they are, node K after
-        parents = fixed.parents  # [B, K + 1] chains
-        if in_tree_step:  # overwritten by the step's trees (trees.py)
-            parents = parents.clone()
+        walk_parents, last_parent = fixed.chain_parents, fixed.last_chain_parent
+        if in_tree_step:  # chains overwritten by the step's trees (trees.py)
+            parents = fixed.parents.clone()
             trees.write_step_trees(parents)
+            walk_parents, last_parent = parents[:, :K].contiguous(), parents[:, K]
         accepted_nodes, num_accepted, output = _walk_uniform(
             draft_token_ids.view(B, K).to(torch.int32),
             target_logits.view(B, K, -1),
             bonus_token_ids.view(-1).to(torch.int32),
-            parents,
+            walk_parents,
+            last_parent,
             temperature,
             _uniforms(sampling_metadata, num_draft_tokens, K + 1, fixed).to(device),
             fixed,
+            in_tree_step,
         )
         if in_tree_step:
             trees.record_acceptance(accepted_nodes, num_accepted)
@@ -139,11 +142,15 @@ def rejection_sample(
     return output_tokens
 
 
-def _walk_uniform(drafts, logits, bonus, parents, temperature, uniforms, fixed):
+def _walk_uniform(
+    drafts, logits, bonus, walk_parents, last_parent, temperature, uniforms, fixed, with_nodes
+):
     """A step whose every request drafted K nodes, without the padded copy: drafts [B, K]
     int32 (node j + 1's token), logits [B, K, V] (vLLM's rows of nodes 0 .. K - 1), bonus [B]
-    int32 (vLLM's sample at node K), parents [B, K + 1] (chains, or the step's trees) ->
-    (accepted_nodes [B, K + 1], num_accepted [B], output tokens [B, K + 1]), int32.
+    int32 (vLLM's sample at node K), walk_parents [B, K] int32 (nodes 0 .. K - 1: chains, or
+    the step's trees), last_parent [B] (node K's) -> (accepted_nodes [B, K + 1], num_accepted
+    [B], output tokens [B, K + 1]), int32; the first two None unless with_nodes (a tree step's
+    compact_kv needs them). No host sync: the batch-1 step's hot path.
 
     The op walks nodes 0 .. K - 1; node K (the last, a leaf) is checked after: its siblings
     hold other tokens, so the walk stopping at K's parent with K's token emitted is exactly
@@ -152,12 +159,12 @@ def _walk_uniform(drafts, logits, bonus, parents, temperature, uniforms, fixed):
     accepts K; any sibling order keeps the target's distribution; in a chain K has no
     siblings and this is rejection sampling's own rule for a point-mass draft), and then
     vLLM's bonus token follows."""
-    B, K = drafts.shape
+    K = drafts.shape[1]
     tokens = torch.cat((fixed.zero_column, drafts[:, :-1]), dim=1)  # node 0 is unused
     accepted_nodes, num_accepted, output = torch.ops.specdec.tree_rejection_sample(
         logits,
         tokens,
-        parents[:, :K].contiguous(),
+        walk_parents,
         fixed.num_nodes,
         None,
         temperature,
@@ -165,19 +172,19 @@ def _walk_uniform(drafts, logits, bonus, parents, temperature, uniforms, fixed):
         fixed.top_p,
         uniforms,
     )
-    rows = torch.arange(B, device=drafts.device)
-    n = num_accepted.long()
-    last = accepted_nodes.long()[rows, n]  # where the walk stopped
-    takes_last = _accepts_last(last, parents[:, K].long(), output.long()[rows, n], drafts[:, K - 1])
-    column = torch.full((B, 1), -1, dtype=torch.int32, device=drafts.device)
-    output = torch.cat((output, column), dim=1)
-    accepted_nodes = torch.cat((accepted_nodes, column), dim=1)
-    if bool(takes_last.any()):
-        idx = rows[takes_last]
-        output[idx, n[idx] + 1] = bonus[idx]
-        accepted_nodes[idx, n[idx] + 1] = K
-        num_accepted = num_accepted + takes_last.to(num_accepted.dtype)
-    return accepted_nodes, num_accepted, output
+    n = num_accepted.long()[:, None]
+    stopped_at = accepted_nodes.gather(1, n).squeeze(1)  # where the walk stopped
+    emitted = output.gather(1, n).squeeze(1)
+    takes_last = _accepts_last(stopped_at, last_parent, emitted, drafts[:, K - 1])
+    # past the walk's last token the rows hold -1: write node K and the bonus token there,
+    # or -1 again where the walk did not take node K
+    output = torch.cat((output, fixed.minus_one_column), dim=1)
+    output.scatter_(1, n + 1, torch.where(takes_last, bonus, -1)[:, None])
+    if not with_nodes:  # a chain step: nothing to compact
+        return None, None, output
+    accepted_nodes = torch.cat((accepted_nodes, fixed.minus_one_column), dim=1)
+    accepted_nodes.scatter_(1, n + 1, torch.where(takes_last, K, -1).to(torch.int32)[:, None])
+    return accepted_nodes, num_accepted + takes_last.to(num_accepted.dtype), output
 
 
 def _accepts_last(stopped_at, parent, emitted, token) -> torch.Tensor:
@@ -198,6 +205,9 @@ class _FixedInputs:
 
     def __init__(self, B: int, K: int, device: str):
         self.parents = chain_parents(B, K + 1, device)  # chains of K + 1 nodes
+        self.chain_parents = self.parents[:, :K].contiguous()  # the walk's K nodes of them
+        self.last_chain_parent = self.parents[:, K].contiguous()  # node K's: K - 1
+        self.minus_one_column = torch.full((B, 1), -1, dtype=torch.int32, device=device)
         self.num_nodes = torch.full((B,), K, dtype=torch.int32, device=device)
         self.top_k = torch.zeros(B, dtype=torch.int32, device=device)  # 0: off (vLLM applied it)
         self.top_p = torch.ones(B, device=device)  # 1.0: off (vLLM applied it)
