@@ -346,6 +346,16 @@ SPECDEC_INLINE int64_t first_visible_row(const Problem<scalar_t>& P, int64_t b, 
   return P.rows(b);
 }
 
+// The first row panel (of `panel` rows, from r's first row) of r's Mr padded rows that may
+// see a key of the tile [p, p + nt): the panels before it see none and are skipped, which
+// leaves their (o, max, sum) as a tile of invisible keys would (alpha 1, probabilities 0).
+template <typename scalar_t>
+SPECDEC_INLINE int64_t first_visible_panel(const Problem<scalar_t>& P, const Rows& r, int64_t p,
+                                           int64_t nt, int64_t Mr, int64_t panel) {
+  const int64_t first = std::clamp<int64_t>(first_visible_row(P, r.b, p, nt) - r.m0, 0, Mr);
+  return first / panel * panel;
+}
+
 // Online softmax over one tile for rows [0, Mr): turns the scores s[0:nt, :] into
 // probabilities relative to the updated running max, and records in alpha how much o must
 // be rescaled. A row that has seen no key yet (max -inf) keeps o = 0, l = 0.
@@ -451,11 +461,8 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, const Rows
     stage_rows(P, P.k, P.k_stride, ws.kt, b, h, p, nt);  // keys [nt, nk): stale, unused
     stage_rows(P, P.v, P.v_stride, ws.vt, b, h, p, nt);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    // Row panels before r0 see no key of this tile (a prefill chunk's early rows and its
-    // later tiles): skipped, which leaves their (o, max, sum) as a tile of invisible keys
-    // would (alpha 1, probabilities 0).
-    const int64_t first = std::clamp<int64_t>(first_visible_row(P, b, p, nt) - r.m0, 0, Mr);
-    const int64_t r0 = first / (2 * LANES) * (2 * LANES);
+    // a prefill chunk's early rows see none of its later tiles
+    const int64_t r0 = first_visible_panel(P, r, p, nt, Mr, 2 * LANES);
     for (int64_t i = r0; i < Mr; i += 2 * LANES) {
       for (int64_t j = 0; j < nk; j += C) {
         score_block<LANES>(ws.qt + i, ws.kt + j * Dp, D, Dp, Mp, P.scale, ws.s + j * Mp + i);
@@ -819,9 +826,7 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
       }
     }
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    // Row panels before r0 see no key of this tile: skipped, as attend() does.
-    const int64_t first = std::clamp<int64_t>(first_visible_row(P, b, p, nt) - r.m0, 0, Mr);
-    const int64_t r0 = first / 32 * 32;
+    const int64_t r0 = first_visible_panel(P, r, p, nt, Mr, 32);
     for (int64_t i = r0; i < Mr; i += 32) {
       for (int64_t j = 0; j < nk; j += 8) {
         const uint32_t* kp = ws.kp + j * Dp / 2;
@@ -1053,9 +1058,9 @@ struct Accumulator {
   }
 };
 
-// This thread's workspace and accumulator for P's shape, kept from call to call: at a decode
-// step's sizes, allocating (and zeroing) them per call cost more than a task's attention
-// (page faults; profile in docs/benchmarks.md, "tree_verify on CPU").
+// This thread's workspace and accumulator for P's shape, kept from call to call: allocating
+// and zeroing ~200 KB per call and thread showed as page faults and memset, ~9% of a
+// 512-token prompt's samples under perf (benchmarks/bench_vllm_attention.py times the op).
 template <typename scalar_t>
 std::pair<Workspace*, Accumulator*> thread_scratch(const Problem<scalar_t>& P) {
   thread_local std::unique_ptr<Workspace> ws;
@@ -1063,7 +1068,7 @@ std::pair<Workspace*, Accumulator*> thread_scratch(const Problem<scalar_t>& P) {
   thread_local int64_t shape[2] = {-1, -1};  // Dp, D: the tile padding a shape leaves zero
   if (!ws || shape[0] != P.Dp || shape[1] != P.D) {
     ws = std::make_unique<Workspace>(P.Dp);
-    acc = std::make_unique<Accumulator>(P.Dp);
+    acc = std::make_unique<Accumulator>(P.D);
     shape[0] = P.Dp;
     shape[1] = P.D;
   }

@@ -66,15 +66,16 @@ class TreeAttentionMetadata:
     """One step's rows as tree_verify takes them: one RowGroup, or two when the step mixes
     prompt chunks with decode / tree rows (the short rows then are not padded to a prompt's
     length: a prompt of 200 tokens beside 19 decodes cost 1.37 ms a layer as one padded batch,
-    0.70 ms as two; benchmarks/profile_step.py --part vllm). dense: one group without padding
-    (every plain decode step, trees of one size): no copies. slot_mapping: [N]."""
+    0.70 ms as two; benchmarks/profile_step.py --part vllm). slot_mapping: [N]."""
 
     num_actual_tokens: int
-    B: int
-    T: int
     groups: list
-    dense: bool
     slot_mapping: torch.Tensor
+
+    @property
+    def dense(self) -> bool:
+        """One group without padding (every plain decode step, trees of one size): no copies."""
+        return len(self.groups) == 1 and self.groups[0].pad_rows is None
 
 
 class TreeAttentionMetadataBuilder:
@@ -121,10 +122,7 @@ class TreeAttentionMetadataBuilder:
             ]
         return TreeAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            B=B,
-            T=T,
             groups=groups,
-            dense=len(groups) == 1 and groups[0].pad_rows is None,
             slot_mapping=m.slot_mapping,
         )
 
