@@ -89,7 +89,11 @@ MIN_PROBE, MAX_PROBE = 4, 64
 # (a step accepts 0 or 1+ drafts); the decision uses its upper confidence bound, mean +
 # UCB_Z standard errors, so a few unlucky first steps cannot price speculation out for good
 # (only evidence can). The variance has a prior of TOKENS_VAR_PRIOR (a coin flip between 0
-# and 1 accepted drafts) behind one pseudo-step, so one step alone is not taken as certain.
+# and 1 accepted drafts) behind one pseudo-step, so one step alone is not taken as certain;
+# a step's tokens are a mean over its requests, so at occupancy B the prior is
+# TOKENS_VAR_PRIOR / B (with 0.25 at every occupancy, the bound at 32 requests stayed ~15%
+# wide while the evidence aged, and 14% of the steps there speculated where it lost;
+# docs/adaptive.md "Plain or speculative").
 UCB_Z, TOKENS_VAR_PRIOR = 1.0, 0.25
 # per request: pseudo-count of expected acceptances behind its factor 1 (a new request is
 # trusted to behave as the shared statistics predict)
@@ -241,14 +245,14 @@ class Policy:
 
     def spec_rate_bound(self) -> float:
         """spec_rate with the mean tokens per step raised by UCB_Z standard errors (their
-        decayed spread, TOKENS_VAR_PRIOR behind one pseudo-step): what speculation may still
-        be earning given how few steps it was tried on."""
+        decayed spread, TOKENS_VAR_PRIOR / the live occupancy behind one pseudo-step): what
+        speculation may still be earning given how few steps it was tried on."""
         if not self.spec_steps:
             return float("inf")
         n = self.spec_steps
         mean = self.spec_tokens / n
         var = max(self.spec_tokens_sq / n - mean * mean, 0.0)
-        var = (n * var + TOKENS_VAR_PRIOR) / (n + 1.0)
+        var = (n * var + TOKENS_VAR_PRIOR / max(self.batch, 1)) / (n + 1.0)
         return self.spec_rate() * (1.0 + UCB_Z * (var / n) ** 0.5 / mean)
 
     def speculate(self) -> bool:
