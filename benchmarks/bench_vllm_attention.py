@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import write_json  # noqa: E402
 
-import specdec_kernels  # noqa: E402, F401
 from specdec.integrations.vllm import attention  # noqa: E402
+from specdec_kernels import cpu_isa, set_cpu_isa  # noqa: E402
 
 HQ, HKV, D, BLOCK_SIZE = 9, 3, 64, 128
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -166,9 +166,18 @@ def main():
     ap.add_argument("--layers", type=int, default=30, help="caches cycled (the model's depth)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--tree-isas",
+        default="",
+        help="comma-separated specdec_kernels.set_cpu_isa caps to time the tree backend under, "
+        "each its own side of the alternation (amx,avx512bf16: the AMX tiles against "
+        "vdpbf16ps); default: the widest build this CPU runs",
+    )
     opts = ap.parse_args()
+    isas = [isa for isa in opts.tree_isas.split(",") if isa] or [None]
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
+    meta_isas = [isa or cpu_isa() for isa in isas]
     dtype = DTYPES[opts.dtype]
     rows, meta = (
         [],
@@ -176,6 +185,7 @@ def main():
             "threads": opts.threads,
             "dtype": opts.dtype,
             "layers": opts.layers,
+            "tree_isas": meta_isas,
             "load_before": list(os.getloadavg()),
         },
     )
@@ -185,23 +195,28 @@ def main():
             step.vllm()
             step.tree()
         err = (step.out_vllm.view(len(step.query), -1).float() - step.out_tree.float()).abs().max()
-        times = {"vllm": [], "tree": []}
+        times: dict = {"vllm": [], **{isa: [] for isa in isas}}
         for _ in range(opts.iters):  # alternated call by call
-            for side, fn in (("vllm", step.vllm), ("tree", step.tree)):
+            for side in times:
+                if side != "vllm":
+                    set_cpu_isa(side)
                 t0 = time.perf_counter()
-                fn()
+                step.vllm() if side == "vllm" else step.tree()
                 times[side].append(time.perf_counter() - t0)
+        set_cpu_isa(None)
+        tree_us = {isa or cpu_isa(): statistics.median(times[isa]) * 1e6 for isa in isas}
         row = {
             "step": name,
             "cpu_attn_us": statistics.median(times["vllm"]) * 1e6,
-            "specdec_tree_us": statistics.median(times["tree"]) * 1e6,
+            "specdec_tree_us": next(iter(tree_us.values())),
+            "specdec_tree_us_by_isa": tree_us,
             "max_abs_diff": float(err),
         }
         row["ratio"] = row["specdec_tree_us"] / row["cpu_attn_us"]
         rows.append(row)
+        trees = "  ".join(f"specdec[{isa}] {us:8.1f} us" for isa, us in tree_us.items())
         print(
-            f"{name:34s} CPU_ATTN {row['cpu_attn_us']:8.1f} us  "
-            f"specdec {row['specdec_tree_us']:8.1f} us"
+            f"{name:34s} CPU_ATTN {row['cpu_attn_us']:8.1f} us  {trees}"
             f"  ratio {row['ratio']:.2f}  max |diff| {err:.1e}",
             flush=True,
         )

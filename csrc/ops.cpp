@@ -402,6 +402,7 @@ void set_cpu_isa_op(c10::string_view name) { set_cpu_isa(std::string(name)); }
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("_set_validate(bool enabled) -> ()", &set_validate);
   m.def("_set_cpu_isa(str isa) -> ()", &set_cpu_isa_op);
+  m.def("_cpu_isa() -> str", &cpu_isa_name);
 }
 
 }  // namespace specdec

@@ -8,7 +8,7 @@ docs/ops.md for the op contract).
 """
 
 from . import envs
-from ._library import load_library, set_cpu_isa, set_validate, validate_enabled
+from ._library import cpu_isa, load_library, set_cpu_isa, set_validate, validate_enabled
 
 load_library()
 
@@ -26,6 +26,7 @@ __all__ = [
     "BACKENDS",
     "build_tree_mask",
     "compact_kv",
+    "cpu_isa",
     "envs",
     "load_library",
     "make_uniforms",

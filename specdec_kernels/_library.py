@@ -30,10 +30,10 @@ Build it in one of these ways:
   SPECDEC_JIT=1 python -c "import specdec_kernels"      # JIT: compile with ninja at import
 (or run `make test` / `make demo` from the repository root, which do the first)."""
 
-_STALE = """specdec_kernels: the compiled library {path} has no op specdec::_set_validate or
-specdec::_set_cpu_isa:
-it was built from older sources. Rebuild it (pip install --no-build-isolation ., or
-python setup.py build_ext --inplace), or set SPECDEC_JIT=1."""
+_STALE = """specdec_kernels: the compiled library {path} lacks one of the ops
+specdec::_set_validate, specdec::_set_cpu_isa, specdec::_cpu_isa: it was built from older
+sources. Rebuild it (pip install --no-build-isolation ., or python setup.py build_ext
+--inplace), or set SPECDEC_JIT=1."""
 
 _validate = False
 
@@ -82,8 +82,8 @@ def load_library() -> str:
             raise ImportError(_MISSING.format(here=_HERE))
         torch.ops.load_library(path)
         how = "aot"
-    if not (
-        hasattr(torch.ops.specdec, "_set_validate") and hasattr(torch.ops.specdec, "_set_cpu_isa")
+    if not all(
+        hasattr(torch.ops.specdec, op) for op in ("_set_validate", "_set_cpu_isa", "_cpu_isa")
     ):
         raise ImportError(_STALE.format(path=path))
     set_validate(envs.SPECDEC_VALIDATE)
@@ -92,10 +92,17 @@ def load_library() -> str:
 
 
 def set_cpu_isa(isa: str | None) -> None:
-    """Caps the instruction set of the C++ CPU kernels for the whole process: "avx512bf16"
-    (None: no cap, the widest build the CPU runs), "avx512", "avx2" or "baseline". The initial
-    value is ``SPECDEC_CPU_ISA``, read when the library loads; RuntimeError for another name."""
+    """Caps the instruction set of the C++ CPU kernels for the whole process: "amx" (None: no
+    cap, the widest build the CPU runs), "avx512bf16", "avx512", "avx2" or "baseline". The
+    initial value is ``SPECDEC_CPU_ISA``, read when the library loads; RuntimeError for another
+    name."""
     torch.ops.specdec._set_cpu_isa(isa or "")
+
+
+def cpu_isa() -> str:
+    """The instruction set the C++ CPU kernels run now: the widest this CPU (and, for "amx",
+    the operating system) allows, capped by set_cpu_isa; one of set_cpu_isa's names."""
+    return torch.ops.specdec._cpu_isa()
 
 
 def set_validate(enabled: bool) -> None:

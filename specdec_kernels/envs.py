@@ -32,10 +32,11 @@ SPECDEC_VALIDATE           ``1``: run the data-dependent input checks on CUDA te
                            and passed to C++; the C++ and Triton backends then read the
                            same process-wide value, changed at run time only with
                            ``specdec_kernels.set_validate(bool)``.
-SPECDEC_CPU_ISA            Caps the CPU kernels' instruction set: ``avx512bf16``,
-                           ``avx512``, ``avx2`` or ``baseline`` (default: the best the
-                           CPU has). Passed to C++ when the library loads;
-                           ``specdec_kernels.set_cpu_isa(name)`` changes it at run time.
+SPECDEC_CPU_ISA            Caps the CPU kernels' instruction set: ``amx``,
+                           ``avx512bf16``, ``avx512``, ``avx2`` or ``baseline``
+                           (default: the best the CPU has). Passed to C++ when the
+                           library loads; ``specdec_kernels.set_cpu_isa(name)`` changes
+                           it at run time, ``specdec_kernels.cpu_isa()`` reads it.
 SPECDEC_TEST_DEVICE        Default of ``pytest --device`` (``cpu`` or ``cuda``).
 TRITON_INTERPRET           Triton's own variable, listed because the tests and the
                            benchmarks set it to ``1`` on CPU (the Triton kernels then run

@@ -28,8 +28,10 @@
 // vdpbf16ps (float accumulation; the probabilities are rounded to bf16 for P V, as flash
 // attention kernels do); so does the few-rows kernel (a plain step's and a small tree's <= 8
 // rows per KV head: lanes over head dims) for head dims a multiple of 32, reading the cache's
-// bf16 rows in place. The best build the CPU runs is picked at run time (pick_attend); the
-// dtype with SPECDEC_DISPATCH_FLOAT_DTYPE (dispatch.h).
+// bf16 rows in place. On a CPU with AMX-BF16 the panel kernel's two products run on AMX tiles
+// instead (a fifth build, "AMX build" below; the few-rows kernel stays on vdpbf16ps). The
+// best build the CPU runs is picked at run time (pick_attend); the dtype with
+// SPECDEC_DISPATCH_FLOAT_DTYPE (dispatch.h).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -359,19 +361,26 @@ SPECDEC_INLINE int64_t first_visible_panel(const Problem<scalar_t>& P, const Row
 // Online softmax over one tile for rows [0, Mr): turns the scores s[0:nt, :] into
 // probabilities relative to the updated running max, and records in alpha how much o must
 // be rescaled. A row that has seen no key yet (max -inf) keeps o = 0, l = 0.
-template <int LANES>
+// SCALED: the scores are not scaled yet, and are multiplied by `scale` (> 0) as they are read
+// (the AMX build's tiles store unscaled sums).
+template <int LANES, bool SCALED = false>
 SPECDEC_INLINE void softmax_tile(float* s, int64_t Mp, int64_t Mr, int64_t nt, float* mx, float* l,
-                                 float* alpha) {
+                                 float* alpha, float scale = 1.f) {
   using vfloat = typename Simd<LANES>::f;
+  const auto score = [&](int64_t n, int64_t r) {
+    const vfloat x = load<LANES>(s + n * Mp + r);
+    if constexpr (SCALED) return x * scale;
+    return x;
+  };
   for (int64_t r = 0; r < Mr; r += LANES) {
     const vfloat m_old = load<LANES>(mx + r);
     vfloat m_new = m_old;
-    for (int64_t n = 0; n < nt; ++n) m_new = vmax(m_new, load<LANES>(s + n * Mp + r));
+    for (int64_t n = 0; n < nt; ++n) m_new = vmax(m_new, score(n, r));
     // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
     const vfloat sub = m_new == splat<LANES>(kNegInf) ? vfloat{} : m_new;
     vfloat sum = {};
     for (int64_t n = 0; n < nt; ++n) {
-      const vfloat e = exp2_nonpos<LANES>(load<LANES>(s + n * Mp + r) - sub);
+      const vfloat e = exp2_nonpos<LANES>(score(n, r) - sub);
       store(s + n * Mp + r, e);
       sum += e;
     }
@@ -796,6 +805,21 @@ SPECDEC_BF16_TARGET SPECDEC_INLINE void pair_probs(const float* s, int64_t nt, i
   }
 }
 
+// Stages the query rows of r as bf16 pairs, qp [Dp / 2, Mp]: qp[i, m] = (q[m, 2i], q[m, 2i + 1]);
+// rows [M, Mr) and the odd head dim's partner zero.
+SPECDEC_INLINE void stage_query_pairs(const Problem<c10::BFloat16>& P, uint32_t* qp, const Rows& r,
+                                      int64_t Mr) {
+  const int64_t M = r.count(), D = P.D, Dh = (D + 1) / 2, Mp = P.Mp;
+  for (int64_t m = 0; m < Mr; ++m) {
+    const c10::BFloat16* src = m < M ? P.q_row(r.b, r.h, r.m0 + m) : nullptr;
+    for (int64_t i = 0; i < Dh; ++i) {
+      const uint32_t lo = src ? bits(src[2 * i]) : 0;
+      const uint32_t hi = src && 2 * i + 1 < D ? bits(src[2 * i + 1]) : 0;
+      qp[i * Mp + m] = lo | hi << 16;
+    }
+  }
+}
+
 // attend() for bfloat16 with vdpbf16ps.
 // Rows run in panels of 32 (two vectors), the last one 16 wide when that holds the rest: a
 // small tree's 9-16 rows per KV head no longer pay for 32.
@@ -803,14 +827,7 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
                                            const Rows& r, int64_t s) {
   const int64_t b = r.b, h = r.h, M = r.count(), Mr = (M + 15) / 16 * 16;
   const int64_t D = P.D, Dp = P.Dp, Dh = (D + 1) / 2, Mp = P.Mp;
-  for (int64_t m = 0; m < Mr; ++m) {  // padding rows and the odd head dim: zero
-    const c10::BFloat16* src = m < M ? P.q_row(b, h, r.m0 + m) : nullptr;
-    for (int64_t i = 0; i < Dh; ++i) {
-      const uint32_t lo = src ? bits(src[2 * i]) : 0;
-      const uint32_t hi = src && 2 * i + 1 < D ? bits(src[2 * i + 1]) : 0;
-      ws.qp[i * Mp + m] = lo | hi << 16;
-    }
-  }
+  stage_query_pairs(P, ws.qp, r, Mr);
   reset_rows(ws, Mp, Dp, Mr);
   const auto [p0, p1] = P.segment_range(b, s);
   for (int64_t p = p0; p < p1; p += kTile) {
@@ -920,6 +937,215 @@ SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, W
   }
 }
 
+// ---------------------------------------------------------------- AMX build
+// AMX (Intel Sapphire Rapids and later) multiplies bf16 on tiles: TDPBF16PS C += A . B with C
+// 16 x 16 floats, A 16 rows of 32 bf16, B 16 rows of 16 bf16 pairs (float accumulation). In
+// the panel kernels' transposed layouts both products are tile products whose operands are
+// staged once per tile of keys, or not at all:
+//   S^T [keys, rows] = K [keys, D] . Q^T: A = 16 K rows, read in place from the cache when 16
+//     positions share a block (else staged), B = the query pairs qp [D / 2, Mp] (staged once
+//     per task, as for the vdpbf16ps build), C = 16 keys x 16 rows of s;
+//   O^T [D, rows] += V^T [D, keys] . P^T: A = 16 rows of V^T (the tile's V staged transposed,
+//     [Dp, kTile] bf16), B = the probability pairs pp [kTile / 2, Mp], C = 16 head dims x 16
+//     rows of ot.
+// Eight tile registers: a 2 x 2 block of C, two A and two B. Head dims a multiple of 32 (the
+// tiles' inner dimension); others take the vdpbf16ps build. Mask, softmax, probabilities and
+// fold are the vdpbf16ps build's; the tiles sum the bf16 products in their own order, so this
+// build's last bits are its own (within bf16 tolerance of the reference, tests/ops).
+#define SPECDEC_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// The tile configuration (palette 1): every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Loads TileConfig at the start of each task, and _tile_release ends it: other code on the
+// thread (oneDNN's AMX kernels in torch) configures the tiles its own way between tasks.
+SPECDEC_AMX_TARGET SPECDEC_INLINE void configure_tiles() {
+  static const TileConfig config = [] {
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+// s[16 a + n, 16 c + m] = sum_d K_a[n, d] q[16 c + m, d] (unscaled) for NA blocks a of 16 keys
+// (k[a]: their first row, rows k_bytes apart) and NC blocks c of 16 query rows (qp + 16 c).
+template <int NA, int NC>
+SPECDEC_AMX_TARGET SPECDEC_INLINE void score_tiles(const uint16_t* const* k, int64_t k_bytes,
+                                                   const uint32_t* qp, int64_t Mp, int64_t D,
+                                                   float* s) {
+  const int64_t row_bytes = Mp * 4;
+  _tile_zero(0);
+  if constexpr (NC == 2) _tile_zero(1);
+  if constexpr (NA == 2) _tile_zero(2);
+  if constexpr (NA == 2 && NC == 2) _tile_zero(3);
+  for (int64_t i = 0; i < D / 32; ++i) {
+    _tile_loadd(4, k[0] + 32 * i, k_bytes);
+    if constexpr (NA == 2) _tile_loadd(5, k[1] + 32 * i, k_bytes);
+    _tile_loadd(6, qp + 16 * i * Mp, row_bytes);
+    if constexpr (NC == 2) _tile_loadd(7, qp + 16 * i * Mp + 16, row_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NC == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NA == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NA == 2 && NC == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, s, row_bytes);
+  if constexpr (NC == 2) _tile_stored(1, s + 16, row_bytes);
+  if constexpr (NA == 2) _tile_stored(2, s + 16 * Mp, row_bytes);
+  if constexpr (NA == 2 && NC == 2) _tile_stored(3, s + 16 * Mp + 16, row_bytes);
+}
+
+// ot[16 a + d, 16 c + m] += sum_n vt[16 a + d, n] p[n, 16 c + m] over `steps` x 32 keys for
+// 2 blocks a of 16 head dims (vt: [Dp, kTile] bf16) and NC blocks c of 16 query rows (pp: the
+// probability pairs [kTile / 2, Mp]).
+template <int NC>
+SPECDEC_AMX_TARGET SPECDEC_INLINE void update_tiles(const uint16_t* vt, const uint32_t* pp,
+                                                    int64_t Mp, int64_t steps, float* ot) {
+  const int64_t row_bytes = Mp * 4, vt_bytes = kTile * 2;
+  _tile_loadd(0, ot, row_bytes);
+  if constexpr (NC == 2) _tile_loadd(1, ot + 16, row_bytes);
+  _tile_loadd(2, ot + 16 * Mp, row_bytes);
+  if constexpr (NC == 2) _tile_loadd(3, ot + 16 * Mp + 16, row_bytes);
+  for (int64_t i = 0; i < steps; ++i) {
+    _tile_loadd(4, vt + 32 * i, vt_bytes);
+    _tile_loadd(5, vt + 16 * kTile + 32 * i, vt_bytes);
+    _tile_loadd(6, pp + 16 * i * Mp, row_bytes);
+    if constexpr (NC == 2) _tile_loadd(7, pp + 16 * i * Mp + 16, row_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NC == 2) _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NC == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, ot, row_bytes);
+  if constexpr (NC == 2) _tile_stored(1, ot + 16, row_bytes);
+  _tile_stored(2, ot + 16 * Mp, row_bytes);
+  if constexpr (NC == 2) _tile_stored(3, ot + 16 * Mp + 16, row_bytes);
+}
+
+// vt[d, j] = v[p + j, d] for the tile's nt positions, columns [nt, 32 * steps) zero (the
+// last 32-key step's keys past the tile: their probabilities are stale, their V must be 0).
+// Per 32 positions and 32 head dims: pairs of V rows are zipped into bf16 pairs (16 pairs of
+// head dims per vector), and two 16 x 16 transposes of those 32-bit pairs give 32 rows of vt
+// (a scalar transposed copy was a third of a prompt's AMX kernel time).
+SPECDEC_AMX_TARGET SPECDEC_INLINE void stage_v_transposed(const Problem<c10::BFloat16>& P,
+                                                          uint16_t* vt, int64_t b, int64_t h,
+                                                          int64_t p, int64_t nt, int64_t steps) {
+  using vfloat = typename Simd<16>::f;
+  // (a[d], c[d]) for head dims d of the low (0..15) and high (16..31) half
+  alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                 53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t j0 = 0; j0 < 32 * steps; j0 += 32) {
+    const uint16_t* rows[32];
+    for (int64_t j = 0; j < 32; ++j) {
+      rows[j] =
+          j0 + j < nt ? reinterpret_cast<const uint16_t*>(P.v_row(b, p + j0 + j, h)) : nullptr;
+    }
+    for (int64_t d0 = 0; d0 < P.D; d0 += 32) {
+      vfloat x[16], y[16];  // [pair of positions][head dim]: dims d0 .. d0 + 15, + 16 .. + 31
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t *ra = rows[2 * i], *rc = rows[2 * i + 1];
+        const __m512i a = ra ? _mm512_loadu_si512(ra + d0) : _mm512_setzero_si512();
+        const __m512i c = rc ? _mm512_loadu_si512(rc + d0) : _mm512_setzero_si512();
+        x[i] = (vfloat)_mm512_permutex2var_epi16(a, low, c);
+        y[i] = (vfloat)_mm512_permutex2var_epi16(a, high, c);
+      }
+      transpose_square<16>(x);
+      transpose_square<16>(y);
+      for (int i = 0; i < 16; ++i) {
+        store(vt + (d0 + i) * kTile + j0, x[i]);
+        store(vt + (d0 + 16 + i) * kTile + j0, y[i]);
+      }
+    }
+  }
+}
+
+SPECDEC_AMX_TARGET void attend_amx_tiles(const Problem<c10::BFloat16>& P, Workspace& ws,
+                                         const Rows& r, int64_t s) {
+  const int64_t b = r.b, h = r.h, M = r.count(), Mr = (M + 15) / 16 * 16;
+  const int64_t D = P.D, Dp = P.Dp, Mp = P.Mp;
+  stage_query_pairs(P, ws.qp, r, Mr);
+  reset_rows(ws, Mp, Dp, Mr);
+  configure_tiles();
+  auto* vt = reinterpret_cast<uint16_t*>(ws.vp);  // [Dp, kTile]: the V tile, transposed
+  auto* kt = reinterpret_cast<uint16_t*>(ws.kp);  // [kTile, Dp]: the K tile, when staged
+  // 16 positions from a multiple of 16 share a block when the block size is a multiple of 16:
+  // the K tile is then read in place (rows past the tile's end are read, their scores unused)
+  const bool k_in_place = P.block_size % 16 == 0;
+  const int64_t k_bytes = k_in_place ? P.k_stride[1] * 2 : Dp * 2;
+  const auto [p0, p1] = P.segment_range(b, s);
+  for (int64_t p = p0; p < p1; p += kTile) {
+    const int64_t nt = std::min(kTile, p1 - p), blocks = (nt + 15) / 16, steps = (nt + 31) / 32;
+    const uint16_t* k_rows[kTile / 16];
+    for (int64_t a = 0; a < blocks; ++a) {
+      if (k_in_place) {
+        k_rows[a] = reinterpret_cast<const uint16_t*>(P.k_row(b, p + 16 * a, h));
+        continue;
+      }
+      for (int64_t j = 16 * a; j < std::min(nt, 16 * a + 16); ++j) {
+        std::memcpy(kt + j * Dp, P.k_row(b, p + j, h), D * sizeof(uint16_t));
+      }
+      k_rows[a] = kt + 16 * a * Dp;
+    }
+    stage_v_transposed(P, vt, b, h, p, nt, steps);
+    prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
+    const int64_t r0 = first_visible_panel(P, r, p, nt, Mr, 32);
+    for (int64_t i = r0; i < Mr; i += 32) {
+      const bool two_c = Mr - i >= 32;
+      for (int64_t a = 0; a < blocks; a += 2) {
+        float* out = ws.s + 16 * a * Mp + i;
+        if (a + 1 < blocks) {
+          two_c ? score_tiles<2, 2>(k_rows + a, k_bytes, ws.qp + i, Mp, D, out)
+                : score_tiles<2, 1>(k_rows + a, k_bytes, ws.qp + i, Mp, D, out);
+        } else {
+          two_c ? score_tiles<1, 2>(k_rows + a, k_bytes, ws.qp + i, Mp, D, out)
+                : score_tiles<1, 1>(k_rows + a, k_bytes, ws.qp + i, Mp, D, out);
+        }
+      }
+    }
+    mask_tile(P, ws.s, r, p, nt, r0);  // (-inf stays -inf when scaled)
+    softmax_tile<16, true>(ws.s + r0, Mp, Mr - r0, nt, ws.mx + r0, ws.l + r0, ws.alpha + r0,
+                           P.scale);
+    pair_probs(ws.s + r0, nt, Mp, Mr - r0, ws.pp + r0);
+    for (int64_t d = 0; d < D; ++d) {  // o *= alpha before the tiles add this tile's P V
+      for (int64_t m = r0; m < Mr; m += 16) {
+        float* o = ws.ot + d * Mp + m;
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(ws.alpha + m)));
+      }
+    }
+    for (int64_t i = r0; i < Mr; i += 32) {
+      for (int64_t a = 0; a < D / 16; a += 2) {
+        float* out = ws.ot + 16 * a * Mp + i;
+        if (Mr - i >= 32) {
+          update_tiles<2>(vt + 16 * a * kTile, ws.pp + i, Mp, steps, out);
+        } else {
+          update_tiles<1>(vt + 16 * a * kTile, ws.pp + i, Mp, steps, out);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The AMX build for head dims a multiple of 32, else the vdpbf16ps build.
+void attend_amx(const Problem<c10::BFloat16>& P, Workspace& ws, const Rows& r, int64_t s) {
+  if (P.D % 32 != 0) return attend_avx512bf16(P, ws, r, s);
+  attend_amx_tiles(P, ws, r, s);
+}
+
 // ---------------------------------------------------------------- dispatch
 template <typename scalar_t>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx2,fma,f16c"))) void attend_avx512(
@@ -979,7 +1205,7 @@ template <typename scalar_t>
 AttendFn<scalar_t> pick_attend_few() {
   const CpuIsa isa = cpu_isa();
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (isa == CpuIsa::kAvx512Bf16) return &attend_few_bf16;
+    if (isa >= CpuIsa::kAvx512Bf16) return &attend_few_bf16;
   }
   if (isa >= CpuIsa::kAvx512) return &attend_few_avx512<scalar_t>;
   if (isa >= CpuIsa::kAvx2) return &attend_few_avx2<scalar_t>;
@@ -991,7 +1217,8 @@ template <typename scalar_t>
 AttendFn<scalar_t> pick_attend() {
   const CpuIsa isa = cpu_isa();
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (isa == CpuIsa::kAvx512Bf16) return &attend_avx512bf16;
+    if (isa >= CpuIsa::kAmx) return &attend_amx;
+    if (isa >= CpuIsa::kAvx512Bf16) return &attend_avx512bf16;
   }
   if (isa >= CpuIsa::kAvx512) return &attend_avx512<scalar_t>;
   if (isa >= CpuIsa::kAvx2) return &attend_avx2<scalar_t>;

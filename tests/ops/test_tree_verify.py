@@ -135,34 +135,45 @@ def test_bf16_long_context(device, backend):
 ISA_LEVEL = {"DEFAULT": 0, "NO AVX": 0, "AVX2": 1, "AVX512": 2, "ZVECTOR": 0, "VSX": 0}
 
 
-def _cpu_has_avx512_bf16():
+def _cpu_flags() -> set:
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read().split()
+            return set(f.read().split())
     except OSError:
-        return False
+        return set()
+
+
+def _cpu_has_avx512_bf16():
+    return "avx512_bf16" in _cpu_flags()
+
+
+def _cpu_has_amx():
+    return {"amx_tile", "amx_bf16"} <= _cpu_flags()
 
 
 def _skip_unless_isa(isa, device):
     """Skips unless the C++ CPU kernel can run build `isa` (a set_cpu_isa value) here."""
     if device.type != "cpu":
         pytest.skip("CPU kernel builds")
-    need = {"baseline": 0, "avx2": 1, "avx512": 2, "avx512bf16": 2}[isa]
+    need = {"baseline": 0, "avx2": 1, "avx512": 2, "avx512bf16": 2, "amx": 2}[isa]
     if ISA_LEVEL.get(torch.backends.cpu.get_cpu_capability(), 0) < need:
         pytest.skip(f"this CPU cannot run the {isa} build")
-    if isa == "avx512bf16" and not _cpu_has_avx512_bf16():
+    if isa in ("avx512bf16", "amx") and not _cpu_has_avx512_bf16():
         pytest.skip("this CPU has no AVX512-BF16")
+    if isa == "amx" and not _cpu_has_amx():
+        pytest.skip("this CPU has no AMX-BF16")
 
 
-@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["amx", "avx512bf16", "avx512", "avx2", "baseline"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_isa_builds(isa, dtype, device, cpu_isa):
-    """The C++ CPU kernel is compiled for AVX-512 (+ a bf16 dot-product build for bfloat16),
-    AVX2 and the baseline ISA and runs the widest the CPU has; set_cpu_isa caps it so
-    the narrower builds are tested too (40 nodes x 4 query heads per KV head: two row
-    blocks)."""
+    """The C++ CPU kernel is compiled for AVX-512 (+ a bf16 dot-product build and an AMX tile
+    build for bfloat16), AVX2 and the baseline ISA and runs the widest the CPU has;
+    set_cpu_isa caps it so the narrower builds are tested too (40 nodes x 4 query heads per
+    KV head: two row blocks)."""
     _skip_unless_isa(isa, device)
     cpu_isa(isa)
+    assert sk.cpu_isa() == isa
     check(make_case(2, 40, 8, 2, 40, 4, dtype, device, cache_lens=[300, 7]), "cpp")
 
 
@@ -325,6 +336,57 @@ def test_bf16_dot_product_build(D, device, cpu_isa):
     flt = check(case, "cpp")
     tol = TOL[torch.bfloat16]
     torch.testing.assert_close(dot.double(), flt.double(), atol=tol, rtol=tol)
+
+
+def test_amx_runs_where_the_cpu_has_it(device, cpu_isa):
+    """A CPU with AMX-BF16 runs the AMX build unless capped: Linux must grant the tile state
+    (arch_prctl), and a refusal would silently leave the bf16 panels on vdpbf16ps."""
+    _skip_unless_isa("amx", device)
+    cpu_isa(None)
+    assert sk.cpu_isa() == "amx"
+
+
+@pytest.mark.parametrize(
+    "T, Hq, Hkv, D, block_size, lens",
+    [
+        (150, 9, 3, 64, 16, [0, 37, 100]),  # prefill chains: skipped panels, 16-row tails
+        (9, 6, 2, 128, 12, [777, 5, 0]),  # K staged (16 positions may straddle blocks)
+        (7, 6, 2, 96, 1, [300, 64, 31]),  # token pool; 3 pairs of 16 head dims
+        (20, 16, 2, 64, 128, [1000, 129, 2]),  # vLLM's block size, 8 query heads per KV head
+        (11, 4, 2, 35, 16, [70, 3, 0]),  # D not a multiple of 32: the vdpbf16ps build
+    ],
+)
+def test_bf16_amx_build(T, Hq, Hkv, D, block_size, lens, device, cpu_isa):
+    """The AMX build against the reference and against the float build: K read in place
+    (block sizes a multiple of 16) or staged, tiles of odd length (their last 32-key step
+    padded), 16- and 32-row panels, segments split across tasks, prefill chains."""
+    _skip_unless_isa("amx", device)
+    kind = "chain" if T == 150 else "random"
+    case = make_case(3, T, Hq, Hkv, D, block_size, torch.bfloat16, device, kind, lens, full=True)
+    cpu_isa("amx")
+    tiles = check(case, "cpp")
+    cpu_isa("avx512")
+    flt = check(case, "cpp")
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(tiles.double(), flt.double(), atol=tol, rtol=tol)
+
+
+def test_bf16_amx_ignores_what_the_cache_holds_past_a_tile(device, cpu_isa):
+    """The AMX build reads whole 16-position K blocks in place: positions past the context
+    (here NaN and inf, as an uninitialised cache may hold) must not reach any output."""
+    _skip_unless_isa("amx", device)
+    case = make_case(2, 5, 6, 2, 64, 32, torch.bfloat16, device, cache_lens=[41, 3], full=True)
+    want = reference_out(case)  # (the reference would carry the NaN: it reads every position)
+    for cache in (case["k_cache"], case["v_cache"]):
+        for b, length in enumerate((case["cache_lens"] + case["num_nodes"]).tolist()):
+            for pos in range(length, 64):
+                blk = int(case["block_table"][b, pos // 32])
+                if blk >= 0:
+                    cache[blk, pos % 32] = float("nan") if pos % 2 else float("inf")
+    cpu_isa("amx")
+    out = sk.tree_verify(**case, backend="cpp")
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
 
 
 def test_contiguous_per_sequence_cache(device, backend):
@@ -516,5 +578,7 @@ def test_torch_compile_fullgraph(device):
 
 
 def test_cpu_isa_names_are_checked(cpu_isa):
-    with pytest.raises(RuntimeError, match="SPECDEC_CPU_ISA must be avx512bf16, avx512, avx2"):
+    with pytest.raises(RuntimeError, match="SPECDEC_CPU_ISA must be amx, avx512bf16, avx512"):
         cpu_isa("avx1024")
+    cpu_isa("avx2")
+    assert sk.cpu_isa() in ("avx2", "baseline")

@@ -56,7 +56,7 @@ AVX2_TILED_ROWS = 1 << 62
 def _auto_tiled_rows(isa_cap: str | None) -> int:
     """SPECDEC_TILED_ROWS=auto for this CPU (see specdec/envs.py)."""
     capability: dict = getattr(torch._C._cpu, "_get_cpu_capability", dict)()
-    if capability.get("avx512_bf16") and isa_cap in (None, "", "avx512bf16"):
+    if capability.get("avx512_bf16") and isa_cap in (None, "", "amx", "avx512bf16"):
         return 1 if capability.get("amx_bf16") else 64
     if (
         capability.get("avx2")
