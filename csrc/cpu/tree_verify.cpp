@@ -1120,6 +1120,11 @@ SPECDEC_AMX_TARGET void attend_amx_tiles(const Problem<c10::BFloat16>& P, Worksp
     softmax_tile<16, true>(ws.s + r0, Mp, Mr - r0, nt, ws.mx + r0, ws.l + r0, ws.alpha + r0,
                            P.scale);
     pair_probs(ws.s + r0, nt, Mp, Mr - r0, ws.pp + r0);
+    // The last step's pairs past the tile meet zero V columns, but 0 x NaN is NaN: their
+    // memory may hold another call's floats (the buffers move with the row stride Mp).
+    for (int64_t j = (nt + 1) / 2; j < 16 * steps; ++j) {
+      std::fill(ws.pp + j * Mp + r0, ws.pp + j * Mp + Mr, 0u);
+    }
     for (int64_t d = 0; d < D; ++d) {  // o *= alpha before the tiles add this tile's P V
       for (int64_t m = r0; m < Mr; m += 16) {
         float* o = ws.ot + d * Mp + m;

@@ -389,6 +389,24 @@ def test_bf16_amx_ignores_what_the_cache_holds_past_a_tile(device, cpu_isa):
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("isa", ["amx", "avx512bf16", "avx512"])
+def test_a_call_does_not_see_an_earlier_calls_values(isa, device, cpu_isa, single_thread):
+    """The CPU kernel's per-thread buffers outlive a call and move with its row count: a call
+    whose queries are NaN (so are its buffers) must leave later calls of other shapes exact
+    (the AMX build once multiplied stale pairs past a tile's end by zero V columns: NaN)."""
+    _skip_unless_isa(isa, device)
+    cpu_isa(isa)  # (one thread: its buffers serve every call)
+    for T in (9, 20):
+        case = make_case(2, T, 9, 3, 64, 16, torch.bfloat16, device, cache_lens=[33, 5], full=True)
+        for poison_T in (150, 40, 11):
+            poison = make_case(
+                1, poison_T, 9, 3, 64, 16, torch.bfloat16, device, "chain", [77], full=True
+            )
+            poison["q"] = torch.full_like(poison["q"], float("nan"))
+            sk.tree_verify(**poison, backend="cpp")
+            check(case, "cpp")
+
+
 def test_contiguous_per_sequence_cache(device, backend):
     """num_blocks = B, block_size = S, block_table = arange(B)[:, None]: a dense [B, S] cache."""
     B, T, S = 3, 10, 57
