@@ -48,6 +48,19 @@ SPECDEC_INLINE vec_t<LANES, T> load(const T* p) {
   return v;
 }
 
+// LANES bfloat16 values at p (their bits) as floats: a bf16 is the high half of a float.
+template <int LANES>
+SPECDEC_INLINE typename Simd<LANES>::f widen_bf16(const uint16_t* p) {
+  typedef uint16_t u16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+  u16 half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const typename Simd<LANES>::i32 bits = __builtin_convertvector(half, typename Simd<LANES>::i32)
+                                         << 16;
+  typename Simd<LANES>::f v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 // Every lane of v to p (unaligned).
 template <typename T, typename V>
 SPECDEC_INLINE void store(T* p, V v) {
