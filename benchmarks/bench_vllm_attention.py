@@ -173,6 +173,7 @@ def main():
         "each its own side of the alternation (amx,avx512bf16: the AMX tiles against "
         "vdpbf16ps); default: the widest build this CPU runs",
     )
+    ap.add_argument("--steps", default="", help="comma-separated step names to run (default: all)")
     opts = ap.parse_args()
     isas = [isa for isa in opts.tree_isas.split(",") if isa] or [None]
     torch.set_num_threads(opts.threads)
@@ -189,7 +190,10 @@ def main():
             "load_before": list(os.getloadavg()),
         },
     )
+    wanted = [name for name in opts.steps.split(",") if name]
     for name, (cache_lens, query_lens) in steps().items():
+        if wanted and name not in wanted:
+            continue
         step = Step(cache_lens, query_lens, dtype, opts.layers)
         for _ in range(5):
             step.vllm()

@@ -149,6 +149,22 @@ struct Problem {
     const int64_t blk = block_table[b * max_blocks + entry];
     return blk * stride[0] + in_block * stride[1] + h * stride[2];
   }
+  // The K and V rows of positions [p, p + n) of (b, h) into k_rows / v_rows: one block
+  // table lookup per block, the rows within it a row stride apart.
+  void tile_rows(int64_t b, int64_t h, int64_t p, int64_t n, const scalar_t** k_rows,
+                 const scalar_t** v_rows) const {
+    for (int64_t j = 0; j < n;) {
+      const int64_t in_block = block_shift >= 0 ? (p + j) & (block_size - 1) : (p + j) % block_size;
+      const int64_t run = std::min(n - j, block_size - in_block);
+      const scalar_t* k_first = k_row(b, p + j, h);
+      const scalar_t* v_first = v_row(b, p + j, h);
+      for (int64_t i = 0; i < run; ++i) {
+        k_rows[j + i] = k_first + i * k_stride[1];
+        v_rows[j + i] = v_first + i * v_stride[1];
+      }
+      j += run;
+    }
+  }
   const scalar_t* k_row(int64_t b, int64_t pos, int64_t h) const {
     return k + kv_offset(k_stride, b, pos, h);
   }
@@ -282,19 +298,26 @@ SPECDEC_INLINE void stage_rows(const Problem<scalar_t>& P, const scalar_t* src,
   }
 }
 
-// Asks for the K and V rows of positions [p, p + nt) of (b, h) to be brought into the cache
-// while the previous tile computes: rows of consecutive positions are a row stride apart
-// (Hkv * D elements or more), which the hardware prefetchers do not follow.
+// Asks for the K and V rows of positions [p, p + nt) of (b, h) to be brought into the L2
+// cache while the previous tile computes: rows of consecutive positions are a row stride
+// apart (Hkv * D elements or more), which the hardware prefetchers do not follow. Into the
+// L2, not the L1: a prefetch into the L1 holds one of its few fill buffers until the line
+// arrives, and a tile's hundreds of them stalled the loads of the tile being computed
+// (32 float32 decodes over vLLM's layout, 2 threads: 1.12-1.18x CPU_ATTN's time with L1
+// prefetches, 1.05-1.07x with L2 ones; docs/benchmarks.md "Trees inside vLLM").
 template <typename scalar_t>
 SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t h, int64_t p,
                                   int64_t nt) {
+  const scalar_t* k_rows[kTile];
+  const scalar_t* v_rows[kTile];
+  P.tile_rows(b, h, p, nt, k_rows, v_rows);
   const int64_t bytes = P.D * int64_t(sizeof(scalar_t));
   for (int64_t j = 0; j < nt; ++j) {
-    const char* k = reinterpret_cast<const char*>(P.k_row(b, p + j, h));
-    const char* v = reinterpret_cast<const char*>(P.v_row(b, p + j, h));
+    const char* k = reinterpret_cast<const char*>(k_rows[j]);
+    const char* v = reinterpret_cast<const char*>(v_rows[j]);
     for (int64_t i = 0; i < bytes; i += 64) {
-      __builtin_prefetch(k + i);
-      __builtin_prefetch(v + i);
+      __builtin_prefetch(k + i, 0, 2);
+      __builtin_prefetch(v + i, 0, 2);
     }
   }
 }
@@ -509,14 +532,28 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, const Rows
 constexpr int64_t kFewRows = 8;
 constexpr int64_t kFewMaxD = 256;  // larger head dims take the panel kernels
 
+// Sums of the G rows of sc (kTile apart) over keys [0, nt), each in key order from 0 (the
+// panels' order: softmax_tile), the rows' chains interleaved so that their adds overlap.
+template <int G>
+SPECDEC_INLINE void few_rows_sums(const float* sc, int64_t nt, float* sums) {
+  float acc[G] = {};
+  for (int64_t j = 0; j < nt; ++j) {
+    for (int g = 0; g < G; ++g) acc[g] += sc[g * kTile + j];
+  }
+  for (int g = 0; g < G; ++g) sums[g] = acc[g];
+}
+
 // The tree mask and the online softmax of one key tile for the M (<= kFewRows) rows of the
 // few-rows kernels: sc [M, kTile] scores (base 2, scaled) -> probabilities relative to the
 // updated running max mx; l updated; alpha[m]: how much row m's output must be rescaled.
+// The sum of a row's probabilities is a chain of adds in key order, as the panels' (lanes
+// over rows) is; the maximum takes any order (it is exact).
 template <int LANES, typename scalar_t>
 SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int64_t M, int64_t b,
                                      int64_t p, int64_t nt, float* mx, float* l, float* alpha) {
   using vfloat = typename Simd<LANES>::f;
   const int64_t c = P.cache_lens[b];
+  float sub[kFewRows];
   for (int64_t m = 0; m < M; ++m) {
     float* sm = sc + m * kTile;
     const uint64_t* bits = P.tree_mask + (b * P.T + m / P.group_size) * P.mask_words;
@@ -524,34 +561,52 @@ SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int6
       const int64_t node = p + j - c;
       if (!((bits[node / 64] >> (node % 64)) & 1)) sm[j] = kNegInf;
     }
-    float m_new = mx[m];
-    for (int64_t j = 0; j < nt; ++j) m_new = std::max(m_new, sm[j]);
+    vfloat vm = splat<LANES>(mx[m]);
+    int64_t j = 0;
+    for (; j + LANES <= nt; j += LANES) vm = vmax(vm, load<LANES>(sm + j));
+    float m_new = vm[0];
+    for (int i = 1; i < LANES; ++i) m_new = std::max(m_new, vm[i]);
+    for (; j < nt; ++j) m_new = std::max(m_new, sm[j]);
     // Subtracting 0 instead of -inf keeps invisible scores at exp2(-inf) = 0, not NaN.
-    const float sub = m_new == kNegInf ? 0.f : m_new;
-    float sum = 0.f;
-    for (int64_t j = 0; j < nt; j += LANES) {  // sc rows are kTile long: whole vectors
-      const vfloat e = exp2_nonpos<LANES>(load<LANES>(sm + j) - sub);
-      store(sm + j, e);
-      for (int64_t i = 0; i < LANES && j + i < nt; ++i) sum += e[i];
+    sub[m] = m_new == kNegInf ? 0.f : m_new;
+    for (j = 0; j < nt; j += LANES) {  // sc rows are kTile long: whole vectors
+      store(sm + j, exp2_nonpos<LANES>(load<LANES>(sm + j) - sub[m]));
     }
-    alpha[m] = exp2_nonpos<LANES>(splat<LANES>(mx[m] - sub))[0];
-    l[m] = l[m] * alpha[m] + sum;
+    alpha[m] = exp2_nonpos<LANES>(splat<LANES>(mx[m] - sub[m]))[0];
     mx[m] = m_new;
   }
+  float sum[kFewRows];
+  for (int64_t m = 0; m < M; m += 4) {
+    switch (std::min<int64_t>(M - m, 4)) {
+      case 1:
+        few_rows_sums<1>(sc + m * kTile, nt, sum + m);
+        break;
+      case 2:
+        few_rows_sums<2>(sc + m * kTile, nt, sum + m);
+        break;
+      case 3:
+        few_rows_sums<3>(sc + m * kTile, nt, sum + m);
+        break;
+      default:
+        few_rows_sums<4>(sc + m * kTile, nt, sum + m);
+        break;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) l[m] = l[m] * alpha[m] + sum[m];
 }
 
 // Stages the K rows of positions [p, p + nt) of (b, h) transposed, kt [Dw, kTile] as float
 // (head dims past D and keys past nt zero): LANES rows converted to float front to back (the
 // conversion vectorises), then transposed LANES x LANES in registers.
 template <int LANES, typename scalar_t>
-SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt, int64_t b,
-                                          int64_t h, int64_t p, int64_t nt, int64_t Dw) {
+SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt,
+                                          const scalar_t* const* k_rows, int64_t nt, int64_t Dw) {
   using vfloat = typename Simd<LANES>::f;
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (P.D == Dw) {  // float rows of whole vectors: transposed straight from the cache
       for (int64_t j0 = 0; j0 < nt; j0 += LANES) {
         const float* src[LANES];
-        for (int i = 0; i < LANES; ++i) src[i] = j0 + i < nt ? P.k_row(b, p + j0 + i, h) : nullptr;
+        for (int i = 0; i < LANES; ++i) src[i] = j0 + i < nt ? k_rows[j0 + i] : nullptr;
         for (int64_t d0 = 0; d0 < Dw; d0 += LANES) {
           vfloat v[LANES];
           for (int i = 0; i < LANES; ++i) v[i] = src[i] ? load<LANES>(src[i] + d0) : vfloat{};
@@ -568,7 +623,7 @@ SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt,
       float* dst = rows + i * Dw;
       int64_t d = 0;
       if (j0 + i < nt) {
-        const scalar_t* src = P.k_row(b, p + j0 + i, h);
+        const scalar_t* src = k_rows[j0 + i];
         for (; d < P.D; ++d) dst[d] = static_cast<float>(src[d]);
       }
       for (; d < Dw; ++d) dst[d] = 0.f;
@@ -586,9 +641,9 @@ SPECDEC_INLINE void stage_keys_transposed(const Problem<scalar_t>& P, float* kt,
 // place (no copy), other dtypes converted into buf [kTile, D].
 template <int LANES, typename scalar_t>
 SPECDEC_INLINE void stage_values(const Problem<scalar_t>& P, const float** rows, float* buf,
-                                 int64_t b, int64_t h, int64_t p, int64_t nt) {
+                                 const scalar_t* const* v_rows, int64_t nt) {
   for (int64_t j = 0; j < nt; ++j) {
-    const scalar_t* src = P.v_row(b, p + j, h);
+    const scalar_t* src = v_rows[j];
     if constexpr (std::is_same_v<scalar_t, float>) {
       rows[j] = src;
     } else {
@@ -635,6 +690,36 @@ SPECDEC_INLINE void few_rows_update(const float* const* vrows, const float* p, i
   }
 }
 
+// sc[m, 0:kTile] = scale * sum_d q[m, d] * kt[d, 0:kTile] for MB rows m (q rows Dw apart,
+// sc rows kTile apart): lanes over keys, each score a chain of FMAs over d in order, then
+// scaled -- the panel kernels' arithmetic (score_block), so a row gets the same bits from
+// either kernel. The MB rows' chains run together (each K vector loaded once for them), so
+// that the FMAs' latency overlaps. A last, partial tile is scored whole (columns past nt:
+// stale keys, never read back): fewer instructions than a loop over its key vectors alone
+// (callgrind, contexts 70-1000).
+template <int LANES, int MB>
+SPECDEC_INLINE void few_rows_scores(const float* q, int64_t Dw, const float* kt, int64_t D,
+                                    float scale, float* sc) {
+  using vfloat = typename Simd<LANES>::f;
+  constexpr int kKeyVecs = kTile / LANES;
+  vfloat acc[MB][kKeyVecs] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    for (int v = 0; v < kKeyVecs; ++v) {
+      const vfloat k = load<LANES>(kt + d * kTile + v * LANES);
+      // a scalar operand: broadcast by the FMA itself
+      for (int m = 0; m < MB; ++m) acc[m][v] = q[m * Dw + d] * k + acc[m][v];
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int v = 0; v < kKeyVecs; ++v) store(sc + m * kTile + v * LANES, acc[m][v] * scale);
+  }
+}
+
+// Rows per call of few_rows_scores: MB x kTile / LANES accumulators in the 32 zmm registers
+// (AVX-512: 3 x 4); the AVX2 and SSE2 builds' 8 and 16 per row fill theirs already.
+template <int LANES>
+constexpr int64_t kFewScoreRows = LANES == 16 ? 3 : 1;
+
 template <int LANES, typename scalar_t>
 SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const Rows& r,
                                int64_t s) {
@@ -642,13 +727,14 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const 
   // a request's rows whole (r.m0 = 0: tree_verify_typed), so row m is the mask's row m
   const int64_t b = r.b, h = r.h, M = r.count(), D = P.D, Mp = P.Mp;
   const int64_t Dw = (D + LANES - 1) / LANES * LANES;
-  constexpr int kKeyVecs = kTile / LANES;
   alignas(64) float q[kFewRows * (kFewMaxD + kMaxLanes)];  // [M, Dw], zero padded
   alignas(64) float o[kFewRows * (kFewMaxD + kMaxLanes)];  // [M, Dw] unnormalised output
   alignas(64) float row[kFewMaxD + kMaxLanes];             // one V row in float, zero padded
   alignas(64) float sc[kFewRows * kTile] = {};             // [M, kTile] scores, then probabilities
   float* kt = ws.kt;                                       // [Dw, kTile]: the K tile, transposed
   float mx[kFewRows], l[kFewRows];
+  const scalar_t* k_rows[kTile];
+  const scalar_t* v_rows[kTile];
   for (int64_t m = 0; m < M; ++m) {
     const scalar_t* src = P.q_row(b, h, m);
     for (int64_t d = 0; d < Dw; ++d) {
@@ -660,23 +746,26 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const 
   }
   for (int64_t d = D; d < Dw; ++d) row[d] = 0.f;
   const auto [p0, p1] = P.segment_range(b, s);
+  prefetch_rows(P, b, h, p0, std::min(kTile, p1 - p0));  // the first tile too: attend_few_bf16
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    stage_keys_transposed<LANES>(P, kt, b, h, p, nt, Dw);
-    // Lanes over keys, each score a chain of FMAs over d in order, then scaled: the panel
-    // kernels' arithmetic (score_block), so a row gets the same bits from either kernel.
-    // A last, partial tile is scored whole (columns past nt: stale keys, never read back):
-    // fewer instructions than a loop over its key vectors alone (callgrind, contexts 70-1000).
-    for (int64_t m = 0; m < M; ++m) {
-      vfloat acc[kKeyVecs] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = q[m * Dw + d];  // a scalar operand: broadcast by the FMA itself
-        for (int v = 0; v < kKeyVecs; ++v) {
-          acc[v] = qd * load<LANES>(kt + d * kTile + v * LANES) + acc[v];
-        }
+    P.tile_rows(b, h, p, nt, k_rows, v_rows);
+    stage_keys_transposed<LANES>(P, kt, k_rows, nt, Dw);
+    for (int64_t m = 0; m < M; m += kFewScoreRows<LANES>) {
+      const float* qm = q + m * Dw;
+      float* sm = sc + m * kTile;
+      switch (std::min<int64_t>(M - m, kFewScoreRows<LANES>)) {
+        case 1:
+          few_rows_scores<LANES, 1>(qm, Dw, kt, D, P.scale, sm);
+          break;
+        case 2:
+          few_rows_scores<LANES, 2>(qm, Dw, kt, D, P.scale, sm);
+          break;
+        default:
+          few_rows_scores<LANES, 3>(qm, Dw, kt, D, P.scale, sm);
+          break;
       }
-      for (int v = 0; v < kKeyVecs; ++v) store(sc + m * kTile + v * LANES, acc[v] * P.scale);
     }
     float alpha[kFewRows];
     few_rows_softmax<LANES>(P, sc, M, b, p, nt, mx, l, alpha);
@@ -687,7 +776,7 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const 
     }
     if (D == Dw) {  // whole vectors: the outputs stay in registers over the tile's keys
       const float* vrows[kTile];
-      stage_values<LANES>(P, vrows, ws.vt, b, h, p, nt);
+      stage_values<LANES>(P, vrows, ws.vt, v_rows, nt);
       for (int64_t m = 0; m < M; m += kFewRowBlock) {
         switch (std::min<int64_t>(M - m, kFewRowBlock)) {
           case 1:
@@ -704,7 +793,7 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const 
       continue;
     }
     for (int64_t j = 0; j < nt; ++j) {
-      const scalar_t* vr = P.v_row(b, p + j, h);
+      const scalar_t* vr = v_rows[j];
       for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(vr[d]);
       for (int64_t m = 0; m < M; ++m) {
         const float pj = sc[m * kTile + j];
@@ -869,20 +958,47 @@ SPECDEC_BF16_TARGET void attend_avx512bf16(const Problem<c10::BFloat16>& P, Work
   }
 }
 
+// r[j] = the sum of a[j]'s lanes for j < 16, as one vector: a transposing tree that adds the
+// 256-bit halves of a[j] and a[j + 8], then the 128-bit blocks, then in-block pairs (31
+// shuffles, where 16 horizontal sums take 64 and leave 16 scalars to store).
+SPECDEC_BF16_TARGET SPECDEC_INLINE __m512 lane_sums16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j) {  // blocks: key j, j, j + 8, j + 8
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 8], 0x44),
+                         _mm512_shuffle_f32x4(a[j], a[j + 8], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {  // blocks: key j, j + 8, j + 4, j + 12
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[j], b[j + 4], 0x88),
+                         _mm512_shuffle_f32x4(b[j], b[j + 4], 0xDD));
+  }
+  for (int j = 0; j < 2; ++j) {  // block k: 2 lanes of c[j]'s key, 2 of c[j + 2]'s
+    d[j] = _mm512_add_ps(_mm512_shuffle_ps(c[j], c[j + 2], 0x44),
+                         _mm512_shuffle_ps(c[j], c[j + 2], 0xEE));
+  }
+  // block k of e: the keys o + 0, o + 2, o + 1, o + 3 (o = 0, 8, 4, 12 for k = 0 .. 3)
+  const __m512 e =
+      _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
 // The few-rows kernel's AVX512-BF16 build, for head dims a multiple of 32 (the cache's bf16
 // rows are read in place, no conversion): a score is vdpbf16ps of the K row's pairs with the
-// query row's (float sums of exact products; the scale applied to the sum), one horizontal
-// sum each; a V row is widened to float 16 head dims at a time and added to the ROWS rows'
-// outputs, kept in registers across the tile. Same softmax and hand-off as attend_few.
+// query row's (float sums of exact products), 16 keys' sums reduced together (lane_sums16)
+// and scaled; a V row's 32 head dims are widened to float as two vectors, the even head dims
+// (shifted up) and the odd ones (masked), and added to the ROWS rows' outputs, kept in
+// registers across the tile, in that even / odd order (put back in place at the end). Same
+// softmax and hand-off as attend_few.
 template <int ROWS>
 SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, Workspace& ws,
                                               const Rows& r, int64_t s) {
   const int64_t b = r.b, h = r.h, D = P.D, Mp = P.Mp, chunks = D / 32;
   __m512i q[ROWS][kFewMaxD / 32];               // the query rows' bf16 pairs
-  alignas(64) float o[ROWS * kFewMaxD];         // [ROWS, D] unnormalised output
+  alignas(64) float o[ROWS * kFewMaxD];         // [ROWS, D] unnormalised output, even / odd
   alignas(64) float sc[kFewRows * kTile] = {};  // [ROWS, kTile] scores, then probabilities
-  const uint16_t* k_rows[kTile];
-  const uint16_t* v_rows[kTile];
+  alignas(64) static const uint16_t zero_row[kFewMaxD] = {};  // keys past a tile's end
+  const c10::BFloat16* k_rows[kTile];
+  const c10::BFloat16* v_rows[kTile];
   float mx[kFewRows], l[kFewRows], alpha[kFewRows];
   for (int m = 0; m < ROWS; ++m) {
     const auto* src = reinterpret_cast<const uint16_t*>(P.q_row(b, h, m));
@@ -892,6 +1008,7 @@ SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, W
     l[m] = 0.f;
   }
   const __m512 scale = _mm512_set1_ps(P.scale);
+  const __m512i high_halves = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   const auto [p0, p1] = P.segment_range(b, s);
   // the first tile too (the loop prefetches each next one): at decode sizes a layer's K / V
   // rows are cold, and reading them on demand ran the 1-row task at ~4 GB/s
@@ -899,39 +1016,52 @@ SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, W
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p);
     prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    for (int64_t j = 0; j < nt; ++j) {
-      k_rows[j] = reinterpret_cast<const uint16_t*>(P.k_row(b, p + j, h));
-      v_rows[j] = reinterpret_cast<const uint16_t*>(P.v_row(b, p + j, h));
-    }
-    for (int64_t j = 0; j < nt; ++j) {
-      __m512 acc[ROWS];
-      for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < chunks; ++i) {
-        const __m512bh kv = (__m512bh)_mm512_loadu_si512(k_rows[j] + 32 * i);
-        for (int m = 0; m < ROWS; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], kv, (__m512bh)q[m][i]);
-      }
+    P.tile_rows(b, h, p, nt, k_rows, v_rows);
+    for (int64_t j0 = 0; j0 < nt; j0 += 16) {
+      const void* keys[16];
+      for (int j = 0; j < 16; ++j) keys[j] = j0 + j < nt ? (const void*)k_rows[j0 + j] : zero_row;
       for (int m = 0; m < ROWS; ++m) {
-        sc[m * kTile + j] = _mm512_reduce_add_ps(_mm512_mul_ps(acc[m], scale));
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          acc[j] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < chunks; ++i) {
+            const __m512bh kv =
+                (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(keys[j]) + 32 * i);
+            acc[j] = _mm512_dpbf16_ps(acc[j], kv, (__m512bh)q[m][i]);
+          }
+        }
+        _mm512_storeu_ps(sc + m * kTile + j0, _mm512_mul_ps(lane_sums16(acc), scale));
       }
     }
     few_rows_softmax<16>(P, sc, ROWS, b, p, nt, mx, l, alpha);
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 acc[ROWS];
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512 even[ROWS], odd[ROWS];
       for (int m = 0; m < ROWS; ++m) {
-        acc[m] = _mm512_mul_ps(_mm512_loadu_ps(o + m * D + d), _mm512_set1_ps(alpha[m]));
+        const __m512 a = _mm512_set1_ps(alpha[m]);
+        even[m] = _mm512_mul_ps(_mm512_loadu_ps(o + m * D + d), a);
+        odd[m] = _mm512_mul_ps(_mm512_loadu_ps(o + m * D + d + 16), a);
       }
       for (int64_t j = 0; j < nt; ++j) {
-        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_rows[j] + d));
-        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        const __m512i x = _mm512_loadu_si512(v_rows[j] + d);
+        const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(x, high_halves));
         for (int m = 0; m < ROWS; ++m) {
-          acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(sc[m * kTile + j]), v, acc[m]);
+          const __m512 pj = _mm512_set1_ps(sc[m * kTile + j]);
+          even[m] = _mm512_fmadd_ps(pj, ve, even[m]);
+          odd[m] = _mm512_fmadd_ps(pj, vo, odd[m]);
         }
       }
-      for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(o + m * D + d, acc[m]);
+      for (int m = 0; m < ROWS; ++m) {
+        _mm512_storeu_ps(o + m * D + d, even[m]);
+        _mm512_storeu_ps(o + m * D + d + 16, odd[m]);
+      }
     }
   }
-  for (int m = 0; m < ROWS; ++m) {  // the panel kernels' layout: o^T [Dp, Mp]
-    for (int64_t d = 0; d < D; ++d) ws.ot[d * Mp + m] = o[m * D + d];
+  for (int m = 0; m < ROWS; ++m) {  // the panel kernels' layout: o^T [Dp, Mp], dims in place
+    for (int64_t d = 0; d < D; ++d) {
+      ws.ot[d * Mp + m] = o[m * D + d / 32 * 32 + (d % 2) * 16 + d % 32 / 2];
+    }
     ws.mx[m] = mx[m];
     ws.l[m] = l[m];
   }

@@ -308,16 +308,18 @@ def test_few_query_rows_cpu_builds(T, Hq, Hkv, D, isa, dtype, device, cpu_isa):
 
 
 @pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize("block_size", [16, 12, 1])
-def test_bf16_few_rows_dot_product_build(rows, block_size, device, cpu_isa):
+@pytest.mark.parametrize("block_size, D", [(16, 64), (12, 64), (1, 64), (16, 160)])
+def test_bf16_few_rows_dot_product_build(rows, block_size, D, device, cpu_isa):
     """bf16 with head dims a multiple of 32 and <= 8 query rows per KV head takes the
     vdpbf16ps few-rows kernel (one instantiation per row count; full trees of `rows` nodes,
     group size 1, so the tree mask hides columns): every row count, block sizes a power of two
-    (shift and mask) and not, tiles and splits of long uneven contexts."""
+    (shift and mask) and not, tiles and splits of long uneven contexts (keys past a tile's
+    last group of 16), head dims of an odd number of 32-dim chunks (the even / odd output
+    order put back)."""
     _skip_unless_isa("avx512bf16", device)
     cpu_isa("avx512bf16")
     case = make_case(
-        2, rows, 2, 2, 64, block_size, torch.bfloat16, device, cache_lens=[600, 37], full=True
+        2, rows, 2, 2, D, block_size, torch.bfloat16, device, cache_lens=[600, 37], full=True
     )
     check(case, "cpp")
 
