@@ -324,6 +324,17 @@ def test_bf16_few_rows_dot_product_build(rows, block_size, D, device, cpu_isa):
     check(case, "cpp")
 
 
+def _check_against_float_build(case, isa, cpu_isa):
+    """A bf16 case under the build `isa` selects: against the reference (check), and against
+    the float build (set_cpu_isa("avx512")) within bf16 tolerance."""
+    cpu_isa(isa)
+    out = check(case, "cpp")
+    cpu_isa("avx512")
+    flt = check(case, "cpp")
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out.double(), flt.double(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("D", [35, 128])
 def test_bf16_dot_product_build(D, device, cpu_isa):
     """The vdpbf16ps build pairs head dims (odd D: a zero partner) and key positions (a
@@ -332,12 +343,7 @@ def test_bf16_dot_product_build(D, device, cpu_isa):
     (group 3, 7 nodes: 21 rows), positions split across tasks (one long request)."""
     _skip_unless_isa("avx512bf16", device)
     case = make_case(2, 7, 6, 2, D, 4, torch.bfloat16, device, cache_lens=[777, 12], full=True)
-    cpu_isa("avx512bf16")
-    dot = check(case, "cpp")
-    cpu_isa("avx512")
-    flt = check(case, "cpp")
-    tol = TOL[torch.bfloat16]
-    torch.testing.assert_close(dot.double(), flt.double(), atol=tol, rtol=tol)
+    _check_against_float_build(case, "avx512bf16", cpu_isa)
 
 
 def test_amx_runs_where_the_cpu_has_it(device, cpu_isa):
@@ -365,12 +371,7 @@ def test_bf16_amx_build(T, Hq, Hkv, D, block_size, lens, device, cpu_isa):
     _skip_unless_isa("amx", device)
     kind = "chain" if T == 150 else "random"
     case = make_case(3, T, Hq, Hkv, D, block_size, torch.bfloat16, device, kind, lens, full=True)
-    cpu_isa("amx")
-    tiles = check(case, "cpp")
-    cpu_isa("avx512")
-    flt = check(case, "cpp")
-    tol = TOL[torch.bfloat16]
-    torch.testing.assert_close(tiles.double(), flt.double(), atol=tol, rtol=tol)
+    _check_against_float_build(case, "amx", cpu_isa)
 
 
 def test_bf16_amx_ignores_what_the_cache_holds_past_a_tile(device, cpu_isa):
