@@ -145,17 +145,19 @@ struct Problem {
   // most of the few-rows kernels' time.)
   int64_t kv_offset(const int64_t* stride, int64_t b, int64_t pos, int64_t h) const {
     const int64_t entry = block_shift >= 0 ? pos >> block_shift : pos / block_size;
-    const int64_t in_block = block_shift >= 0 ? pos & (block_size - 1) : pos % block_size;
     const int64_t blk = block_table[b * max_blocks + entry];
-    return blk * stride[0] + in_block * stride[1] + h * stride[2];
+    return blk * stride[0] + in_block(pos) * stride[1] + h * stride[2];
+  }
+  // Position pos's row within its cache block.
+  int64_t in_block(int64_t pos) const {
+    return block_shift >= 0 ? pos & (block_size - 1) : pos % block_size;
   }
   // The K and V rows of positions [p, p + n) of (b, h) into k_rows / v_rows: one block
   // table lookup per block, the rows within it a row stride apart.
   void tile_rows(int64_t b, int64_t h, int64_t p, int64_t n, const scalar_t** k_rows,
                  const scalar_t** v_rows) const {
     for (int64_t j = 0; j < n;) {
-      const int64_t in_block = block_shift >= 0 ? (p + j) & (block_size - 1) : (p + j) % block_size;
-      const int64_t run = std::min(n - j, block_size - in_block);
+      const int64_t run = std::min(n - j, block_size - in_block(p + j));
       const scalar_t* k_first = k_row(b, p + j, h);
       const scalar_t* v_first = v_row(b, p + j, h);
       for (int64_t i = 0; i < run; ++i) {
