@@ -308,12 +308,9 @@ SPECDEC_INLINE void stage_rows(const Problem<scalar_t>& P, const scalar_t* src,
 // (32 float32 decodes over vLLM's layout, 2 threads: 1.12-1.18x CPU_ATTN's time with L1
 // prefetches, 1.05-1.07x with L2 ones; docs/benchmarks.md "Trees inside vLLM").
 template <typename scalar_t>
-SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t h, int64_t p,
-                                  int64_t nt) {
-  const scalar_t* k_rows[kTile];
-  const scalar_t* v_rows[kTile];
-  P.tile_rows(b, h, p, nt, k_rows, v_rows);
-  const int64_t bytes = P.D * int64_t(sizeof(scalar_t));
+SPECDEC_INLINE void prefetch_rows(const scalar_t* const* k_rows, const scalar_t* const* v_rows,
+                                  int64_t nt, int64_t D) {
+  const int64_t bytes = D * int64_t(sizeof(scalar_t));
   for (int64_t j = 0; j < nt; ++j) {
     const char* k = reinterpret_cast<const char*>(k_rows[j]);
     const char* v = reinterpret_cast<const char*>(v_rows[j]);
@@ -323,6 +320,35 @@ SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t
     }
   }
 }
+
+template <typename scalar_t>
+SPECDEC_INLINE void prefetch_rows(const Problem<scalar_t>& P, int64_t b, int64_t h, int64_t p,
+                                  int64_t nt) {
+  const scalar_t* k_rows[kTile];
+  const scalar_t* v_rows[kTile];
+  P.tile_rows(b, h, p, nt, k_rows, v_rows);
+  prefetch_rows(k_rows, v_rows, nt, P.D);
+}
+
+// The few-rows kernels' K and V row pointers of the key tiles of one (b, h) task, a tile
+// ahead: fetch() resolves a tile's rows (tile_rows) and prefetches them, and the tile fetched
+// before it becomes current_k() / current_v(): each tile's pointers resolved once, not once
+// for the prefetch and again for the compute.
+template <typename scalar_t>
+struct TileRowPipeline {
+  const scalar_t* k[2][kTile];
+  const scalar_t* v[2][kTile];
+  int newest = 1;  // the slot fetch() filled last; the other one holds the current tile
+
+  SPECDEC_INLINE void fetch(const Problem<scalar_t>& P, int64_t b, int64_t h, int64_t p,
+                            int64_t nt) {
+    newest ^= 1;
+    P.tile_rows(b, h, p, nt, k[newest], v[newest]);
+    prefetch_rows(k[newest], v[newest], nt, P.D);
+  }
+  const scalar_t* const* current_k() const { return k[newest ^ 1]; }
+  const scalar_t* const* current_v() const { return v[newest ^ 1]; }
+};
 
 // Hides the tree columns of the tile [p, p + nt) a row of r from `first` on may not see (its
 // tree_mask bit is clear); s is [kTile, Mp] (row m at column m - r.m0), already scaled.
@@ -534,6 +560,26 @@ SPECDEC_INLINE void attend(const Problem<scalar_t>& P, Workspace& ws, const Rows
 constexpr int64_t kFewRows = 8;
 constexpr int64_t kFewMaxD = 256;  // larger head dims take the panel kernels
 
+// Calls block(std::integral_constant<int, MB>{}, m) for each block [m, m + MB) of the rows
+// [0, M), m stepping by MAX_MB and MB = min(M - m, MAX_MB) a compile-time constant: the
+// few-rows loops hold MB rows' accumulators in registers. block must be always-inline (a
+// lambda marked SPECDEC_INLINE_LAMBDA): GCC gives a lambda no target attribute, so only
+// inlined into the enclosing kernel do the SIMD helpers inside it get the kernel's ISA.
+template <int MB, typename Block>
+SPECDEC_INLINE void call_row_block(int64_t rows, int64_t m, const Block& block) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return call_row_block<MB - 1>(rows, m, block);
+  }
+  block(std::integral_constant<int, MB>{}, m);
+}
+
+template <int MAX_MB, typename Block>
+SPECDEC_INLINE void for_row_blocks(int64_t M, const Block& block) {
+  for (int64_t m = 0; m < M; m += MAX_MB) {
+    call_row_block<MAX_MB>(std::min<int64_t>(M - m, MAX_MB), m, block);
+  }
+}
+
 // Sums of the G rows of sc (kTile apart) over keys [0, nt), each in key order from 0 (the
 // panels' order: softmax_tile), the rows' chains interleaved so that their adds overlap.
 template <int G>
@@ -578,22 +624,9 @@ SPECDEC_INLINE void few_rows_softmax(const Problem<scalar_t>& P, float* sc, int6
     mx[m] = m_new;
   }
   float sum[kFewRows];
-  for (int64_t m = 0; m < M; m += 4) {
-    switch (std::min<int64_t>(M - m, 4)) {
-      case 1:
-        few_rows_sums<1>(sc + m * kTile, nt, sum + m);
-        break;
-      case 2:
-        few_rows_sums<2>(sc + m * kTile, nt, sum + m);
-        break;
-      case 3:
-        few_rows_sums<3>(sc + m * kTile, nt, sum + m);
-        break;
-      default:
-        few_rows_sums<4>(sc + m * kTile, nt, sum + m);
-        break;
-    }
-  }
+  for_row_blocks<4>(M, [&](auto rows, int64_t m) SPECDEC_INLINE_LAMBDA {
+    few_rows_sums<decltype(rows)::value>(sc + m * kTile, nt, sum + m);
+  });
   for (int64_t m = 0; m < M; ++m) l[m] = l[m] * alpha[m] + sum[m];
 }
 
@@ -735,8 +768,7 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const 
   alignas(64) float sc[kFewRows * kTile] = {};             // [M, kTile] scores, then probabilities
   float* kt = ws.kt;                                       // [Dw, kTile]: the K tile, transposed
   float mx[kFewRows], l[kFewRows];
-  const scalar_t* k_rows[kTile];
-  const scalar_t* v_rows[kTile];
+  TileRowPipeline<scalar_t> tiles;
   for (int64_t m = 0; m < M; ++m) {
     const scalar_t* src = P.q_row(b, h, m);
     for (int64_t d = 0; d < Dw; ++d) {
@@ -748,27 +780,16 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const 
   }
   for (int64_t d = D; d < Dw; ++d) row[d] = 0.f;
   const auto [p0, p1] = P.segment_range(b, s);
-  prefetch_rows(P, b, h, p0, std::min(kTile, p1 - p0));  // the first tile too: attend_few_bf16
+  tiles.fetch(P, b, h, p0, std::min(kTile, p1 - p0));  // the first tile too: attend_few_bf16
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p);
-    prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    P.tile_rows(b, h, p, nt, k_rows, v_rows);
+    tiles.fetch(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
+    const scalar_t* const* k_rows = tiles.current_k();
+    const scalar_t* const* v_rows = tiles.current_v();
     stage_keys_transposed<LANES>(P, kt, k_rows, nt, Dw);
-    for (int64_t m = 0; m < M; m += kFewScoreRows<LANES>) {
-      const float* qm = q + m * Dw;
-      float* sm = sc + m * kTile;
-      switch (std::min<int64_t>(M - m, kFewScoreRows<LANES>)) {
-        case 1:
-          few_rows_scores<LANES, 1>(qm, Dw, kt, D, P.scale, sm);
-          break;
-        case 2:
-          few_rows_scores<LANES, 2>(qm, Dw, kt, D, P.scale, sm);
-          break;
-        default:
-          few_rows_scores<LANES, 3>(qm, Dw, kt, D, P.scale, sm);
-          break;
-      }
-    }
+    for_row_blocks<kFewScoreRows<LANES>>(M, [&](auto rows, int64_t m) SPECDEC_INLINE_LAMBDA {
+      few_rows_scores<LANES, decltype(rows)::value>(q + m * Dw, Dw, kt, D, P.scale, sc + m * kTile);
+    });
     float alpha[kFewRows];
     few_rows_softmax<LANES>(P, sc, M, b, p, nt, mx, l, alpha);
     for (int64_t m = 0; m < M; ++m) {
@@ -779,19 +800,9 @@ SPECDEC_INLINE void attend_few(const Problem<scalar_t>& P, Workspace& ws, const 
     if (D == Dw) {  // whole vectors: the outputs stay in registers over the tile's keys
       const float* vrows[kTile];
       stage_values<LANES>(P, vrows, ws.vt, v_rows, nt);
-      for (int64_t m = 0; m < M; m += kFewRowBlock) {
-        switch (std::min<int64_t>(M - m, kFewRowBlock)) {
-          case 1:
-            few_rows_update<LANES, 1>(vrows, sc + m * kTile, nt, D, o + m * Dw);
-            break;
-          case 2:
-            few_rows_update<LANES, 2>(vrows, sc + m * kTile, nt, D, o + m * Dw);
-            break;
-          default:
-            few_rows_update<LANES, 3>(vrows, sc + m * kTile, nt, D, o + m * Dw);
-            break;
-        }
-      }
+      for_row_blocks<kFewRowBlock>(M, [&](auto rows, int64_t m) SPECDEC_INLINE_LAMBDA {
+        few_rows_update<LANES, decltype(rows)::value>(vrows, sc + m * kTile, nt, D, o + m * Dw);
+      });
       continue;
     }
     for (int64_t j = 0; j < nt; ++j) {
@@ -999,8 +1010,7 @@ SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, W
   alignas(64) float o[ROWS * kFewMaxD];         // [ROWS, D] unnormalised output, even / odd
   alignas(64) float sc[kFewRows * kTile] = {};  // [ROWS, kTile] scores, then probabilities
   alignas(64) static const uint16_t zero_row[kFewMaxD] = {};  // keys past a tile's end
-  const c10::BFloat16* k_rows[kTile];
-  const c10::BFloat16* v_rows[kTile];
+  TileRowPipeline<c10::BFloat16> tiles;
   float mx[kFewRows], l[kFewRows], alpha[kFewRows];
   for (int m = 0; m < ROWS; ++m) {
     const auto* src = reinterpret_cast<const uint16_t*>(P.q_row(b, h, m));
@@ -1014,11 +1024,12 @@ SPECDEC_BF16_TARGET void attend_few_bf16_rows(const Problem<c10::BFloat16>& P, W
   const auto [p0, p1] = P.segment_range(b, s);
   // the first tile too (the loop prefetches each next one): at decode sizes a layer's K / V
   // rows are cold, and reading them on demand ran the 1-row task at ~4 GB/s
-  prefetch_rows(P, b, h, p0, std::min(kTile, p1 - p0));
+  tiles.fetch(P, b, h, p0, std::min(kTile, p1 - p0));
   for (int64_t p = p0; p < p1; p += kTile) {
     const int64_t nt = std::min(kTile, p1 - p);
-    prefetch_rows(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
-    P.tile_rows(b, h, p, nt, k_rows, v_rows);
+    tiles.fetch(P, b, h, p + kTile, std::min(kTile, p1 - p - nt));
+    const c10::BFloat16* const* k_rows = tiles.current_k();
+    const c10::BFloat16* const* v_rows = tiles.current_v();
     for (int64_t j0 = 0; j0 < nt; j0 += 16) {
       const void* keys[16];
       for (int j = 0; j < 16; ++j) keys[j] = j0 + j < nt ? (const void*)k_rows[j0 + j] : zero_row;

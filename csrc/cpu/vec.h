@@ -12,6 +12,8 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #define SPECDEC_INLINE __attribute__((always_inline)) inline
+// The same for a lambda (after its parameter list), which takes no `inline`.
+#define SPECDEC_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace specdec {
 // Internal linkage, as when every kernel file defined its own copy: the including file's
