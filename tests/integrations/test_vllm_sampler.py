@@ -333,3 +333,34 @@ def test_a_tree_step_sampled_as_chains_fails_the_same_test(
     out, rows, nodes = _tree_copies(tree_step, _fresh_seed, sampling)
     pvalues = _tree_fit(out, rows, nodes, sampling)
     assert min(pvalues.values()) < P_MAX_WRONG, pvalues
+
+
+def test_ragged_tree_step_walks_as_the_padded_layout(vllm_sampling, tree_step, _fresh_seed):
+    """Trees of several sizes and a request without drafts (an arrival) in one step: the
+    walks per draft count over vLLM's rows in place (or gathered) give the padded layout's
+    accepted nodes, counts and tokens (chain_batch, node k holding the bonus token)."""
+    _, _, sampler = vllm_sampling
+    step_trees = {0: [-1, 0, 0, 1], 1: [-1, 0], 3: [-1, 0, 1, 1, 0], 4: [-1, 0, 0, 2]}
+    counts = [3, 1, 0, 4, 3]  # the 3-node trees not consecutive: their rows gathered
+    B, K = len(counts), max(counts)
+    gen = torch.Generator().manual_seed(_fresh_seed)
+    for _ in range(20):
+        drafts, _, _, cu, _, logits, bonus = _greedy_inputs(counts, 8, gen)
+        tree_step._step["parents"] = step_trees
+        got = sampler.rejection_sample(drafts, counts, K, cu, None, logits, bonus, _metadata(B))
+        got_nodes, got_accepted = tree_step._step["accepted"]
+        padded = sampler.chain_batch(drafts, counts, K, None, logits, bonus)
+        tree_step.write_step_trees(padded.parents)
+        nodes, accepted, tokens = torch.ops.specdec.tree_rejection_sample(
+            padded.logits,
+            padded.tokens,
+            padded.parents,
+            padded.num_nodes,
+            None,
+            torch.zeros(B),
+            torch.zeros(B, dtype=torch.int32),
+            torch.ones(B),
+            torch.zeros(B, K + 2),
+        )
+        assert torch.equal(got, tokens)
+        assert torch.equal(got_nodes, nodes) and torch.equal(got_accepted, accepted)
