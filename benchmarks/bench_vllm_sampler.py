@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import write_json  # noqa: E402
 
+from specdec.bench.vllm import sampling_metadata  # noqa: E402
 from specdec.integrations.vllm import sampler  # noqa: E402
 
 V = 49152
@@ -34,31 +35,6 @@ STEPS = {
     "32: 2-8 drafts": [2 + (i * 5) % 7 for i in range(32)],
     "8: 7 with 8 drafts, 1 without": [8] * 7 + [0],
 }
-
-
-def greedy_metadata(B: int):
-    """vLLM's SamplingMetadata of B greedy requests without penalties."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    return SamplingMetadata(
-        temperature=None,
-        all_greedy=True,
-        all_random=False,
-        top_p=None,
-        top_k=None,
-        generators={},
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(B),
-        presence_penalties=torch.zeros(B),
-        repetition_penalties=torch.ones(B),
-        output_token_ids=[[] for _ in range(B)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-    )
 
 
 def step_inputs(counts: list, gen: torch.Generator) -> tuple:
@@ -75,20 +51,11 @@ def step_inputs(counts: list, gen: torch.Generator) -> tuple:
 
 
 def padded_layout(drafts, counts, K, cu, draft_probs, logits, bonus, metadata):
-    """The padded path: chain_batch's [B, K + 1, V] copy, then one walk."""
+    """The padded path: chain_batch's [B, K + 1, V] copy, then one walk (greedy)."""
     B = len(counts)
     tree = sampler.chain_batch(drafts, counts, K, draft_probs, logits, bonus)
-    return torch.ops.specdec.tree_rejection_sample(
-        tree.logits,
-        tree.tokens,
-        tree.parents,
-        tree.num_nodes,
-        None,
-        torch.zeros(B),
-        torch.zeros(B, dtype=torch.int32),
-        torch.ones(B),
-        torch.zeros(B, K + 2),
-    )[2]
+    greedy = (torch.zeros(B), torch.zeros(B, dtype=torch.int32), torch.ones(B))
+    return tree.walk(*greedy, torch.zeros(B, K + 2))[2]
 
 
 def main():
@@ -113,7 +80,7 @@ def main():
     rows = []
     for step, counts in STEPS.items():
         inputs = step_inputs(counts, gen)
-        metadata = greedy_metadata(len(counts))
+        metadata = sampling_metadata(len(counts))
         outputs = [f(*inputs, metadata) for f in sides.values()]
         same = all(torch.equal(outputs[0].to(torch.int32), o.to(torch.int32)) for o in outputs)
         times = {name: [] for name in sides}

@@ -35,28 +35,9 @@ def vllm_sampling():
 
 
 def _metadata(B, temperature=None, top_k=None, top_p=None, generators=None):
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
+    from specdec.bench.vllm import sampling_metadata
 
-    greedy = temperature is None
-    return SamplingMetadata(
-        temperature=None if greedy else torch.full((B,), temperature),
-        all_greedy=greedy,
-        all_random=not greedy,
-        top_p=None if top_p is None else torch.full((B,), top_p),
-        top_k=None if top_k is None else torch.full((B,), top_k, dtype=torch.int32),
-        generators=generators or {},
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(B),
-        presence_penalties=torch.zeros(B),
-        repetition_penalties=torch.ones(B),
-        output_token_ids=[[] for _ in range(B)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-    )
+    return sampling_metadata(B, temperature, top_k, top_p, generators)
 
 
 def _greedy_inputs(num_draft_tokens, vocab, gen):
@@ -351,16 +332,8 @@ def test_ragged_tree_step_walks_as_the_padded_layout(vllm_sampling, tree_step, _
         got_nodes, got_accepted = tree_step._step["accepted"]
         padded = sampler.chain_batch(drafts, counts, K, None, logits, bonus)
         tree_step.write_step_trees(padded.parents)
-        nodes, accepted, tokens = torch.ops.specdec.tree_rejection_sample(
-            padded.logits,
-            padded.tokens,
-            padded.parents,
-            padded.num_nodes,
-            None,
-            torch.zeros(B),
-            torch.zeros(B, dtype=torch.int32),
-            torch.ones(B),
-            torch.zeros(B, K + 2),
+        nodes, accepted, tokens = padded.walk(
+            torch.zeros(B), torch.zeros(B, dtype=torch.int32), torch.ones(B), torch.zeros(B, K + 2)
         )
         assert torch.equal(got, tokens)
         assert torch.equal(got_nodes, nodes) and torch.equal(got_accepted, accepted)

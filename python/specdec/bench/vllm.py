@@ -540,23 +540,22 @@ def sampler_timing(
     return out
 
 
-def _sampler_inputs(B, K, V, accept, greedy):
+def sampling_metadata(B, temperature=None, top_k=None, top_p=None, generators=None):
+    """vLLM's SamplingMetadata of B requests without penalties: greedy when temperature is
+    None, else every request at that temperature (and top_k / top_p when given); generators:
+    {batch row: torch.Generator} of the seeded requests."""
     import torch
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(B * K, V, generator=g) * 3
-    best = logits.argmax(-1)
-    hit = torch.rand(B * K, generator=g) < accept
-    drafts = torch.where(hit, best, (best + 1 + torch.randint(V - 1, (B * K,), generator=g)) % V)
-    meta = SamplingMetadata(
-        temperature=None if greedy else torch.ones(B),
+    greedy = temperature is None
+    return SamplingMetadata(
+        temperature=None if greedy else torch.full((B,), temperature),
         all_greedy=greedy,
         all_random=not greedy,
-        top_p=None,
-        top_k=None,
-        generators={},
+        top_p=None if top_p is None else torch.full((B,), top_p),
+        top_k=None if top_k is None else torch.full((B,), top_k, dtype=torch.int32),
+        generators=generators or {},
         max_num_logprobs=None,
         no_penalties=True,
         prompt_token_ids=None,
@@ -568,6 +567,17 @@ def _sampler_inputs(B, K, V, accept, greedy):
         bad_words_token_ids={},
         logitsprocs=LogitsProcessors(),
     )
+
+
+def _sampler_inputs(B, K, V, accept, greedy):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(B * K, V, generator=g) * 3
+    best = logits.argmax(-1)
+    hit = torch.rand(B * K, generator=g) < accept
+    drafts = torch.where(hit, best, (best + 1 + torch.randint(V - 1, (B * K,), generator=g)) % V)
+    meta = sampling_metadata(B, temperature=None if greedy else 1.0)
     cu = torch.cumsum(torch.full((B,), K, dtype=torch.int32), 0, dtype=torch.int32)
     bonus = torch.randint(V, (B, 1), generator=g)
     return drafts.to(torch.int32), [K] * B, K, cu, None, logits, bonus, meta

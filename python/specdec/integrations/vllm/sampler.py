@@ -141,12 +141,7 @@ def rejection_sample(
     )
     if in_tree_step:  # trees inside vLLM's step (trees.py): the drafted parents
         trees.write_step_trees(tree.parents)
-    accepted_nodes, num_accepted, output_tokens = torch.ops.specdec.tree_rejection_sample(
-        tree.logits,
-        tree.tokens,
-        tree.parents,
-        tree.num_nodes,
-        tree.draft_probs,
+    accepted_nodes, num_accepted, output_tokens = tree.walk(
         temperature,
         fixed.top_k,
         fixed.top_p,
@@ -226,19 +221,18 @@ def _walk_by_draft_count(
         requests = (counts == k).nonzero().view(-1)
         n, first = len(requests), int(requests[0])
         if int(requests[-1]) - first + 1 == n:  # consecutive: one slice of vLLM's rows
-            r0 = int(starts[first])
-            rows = torch.arange(r0, r0 + n * k)
-            group_logits = logits[r0 : r0 + n * k]
+            rows = slice(int(starts[first]), int(starts[first]) + n * k)
+            group_logits, group_drafts = logits[rows], draft_token_ids[rows]
         else:
-            rows = (starts[requests][:, None] + torch.arange(k)).view(-1)
-            group_logits = logits.index_select(0, rows.to(dev))
+            rows = (starts[requests][:, None] + torch.arange(k)).view(-1).to(dev)
+            group_logits, group_drafts = logits.index_select(0, rows), draft_token_ids[rows]
         fixed = _fixed_inputs(n, k, str(dev))
         at = requests.to(dev)
         walk_parents, last_parent = fixed.chain_parents, fixed.last_chain_parent
         if parents is not None:
             walk_parents, last_parent = parents[at, :k].contiguous(), parents[at, k]
         nodes, accepted, out = _walk_uniform(
-            draft_token_ids[rows.to(dev)].view(n, k).to(torch.int32),
+            group_drafts.view(n, k).to(torch.int32),
             group_logits.view(n, k, -1),
             bonus[at],
             walk_parents,
@@ -297,6 +291,21 @@ class ChainBatch:
     def __init__(self, logits, tokens, parents, num_nodes, draft_probs):
         self.logits, self.tokens, self.parents = logits, tokens, parents
         self.num_nodes, self.draft_probs = num_nodes, draft_probs
+
+    def walk(self, temperature, top_k, top_p, uniforms):
+        """tree_rejection_sample over the batch: temperature [B], top_k [B] int32, top_p [B],
+        uniforms [B, T + 1] -> (accepted_nodes, num_accepted, output_tokens)."""
+        return torch.ops.specdec.tree_rejection_sample(
+            self.logits,
+            self.tokens,
+            self.parents,
+            self.num_nodes,
+            self.draft_probs,
+            temperature,
+            top_k,
+            top_p,
+            uniforms,
+        )
 
 
 def chain_batch(
