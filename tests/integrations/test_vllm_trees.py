@@ -42,6 +42,7 @@ def _vllm_config(nodes=6, **options):
         speculative_config=SimpleNamespace(num_speculative_tokens=nodes),
         model_config=SimpleNamespace(max_model_len=1000, model=None, dtype=torch.float32),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         additional_config={"specdec": {"tree": True, "sampler": "specdec", **options}},
     )
 
@@ -164,6 +165,42 @@ def test_hosted_policy_learns_from_every_row_of_a_speculative_step():
     proposer.observe(step)
     assert policy.timed == [True, False]
     assert len(policy.observed) == 1  # plain steps teach the acceptance statistics nothing
+
+
+@pytest.mark.skipif(installed_version() is None, reason=f"vLLM is not installed: {INSTALL_HINT}")
+@pytest.mark.parametrize("aux", [False, True], ids=["hidden", "hidden+aux"])
+def test_policy_cost_model_times_vllms_forward(aux):
+    """The adaptive policy's verify costs time vLLM's own forward (hosted.vllm_target_forward):
+    B x T tokens at T positions per request, as vLLM's profiling runs its model (no attention
+    metadata, no KV slots), and logits at every one of them (a tree step samples them all),
+    also when the model hands EAGLE-3's auxiliary states back beside the hidden states."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import get_forward_context
+
+    seen = {}
+
+    class Target(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(11, 4))
+
+        def forward(self, input_ids, positions):
+            context = get_forward_context()
+            seen.update(ids=input_ids, positions=positions, metadata=context.attn_metadata)
+            seen["slots"] = getattr(context, "slot_mapping", None)
+            hidden = torch.zeros(input_ids.shape[0], 4)
+            return (hidden, [hidden]) if aux else hidden
+
+        def compute_logits(self, hidden):
+            seen["logit_rows"] = hidden.shape[0]
+            return hidden @ self.w.T
+
+    run = hosted.vllm_target_forward(VllmConfig(), Target(), vocab_size=11, context=100)(3, 2)
+    logits = run()
+    assert logits.shape == (6, 11) and seen["logit_rows"] == 6
+    assert seen["ids"].shape == (6,) and 0 <= int(seen["ids"].min()) <= int(seen["ids"].max()) < 11
+    assert seen["positions"].tolist() == [100, 101] * 3
+    assert seen["metadata"] is None and not seen["slots"]
 
 
 def test_accepted_path_walks_the_emitted_tokens_down_the_tree():

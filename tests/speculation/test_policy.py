@@ -138,21 +138,36 @@ def test_cost_model_measure_times_every_size():
 
 
 def test_cost_model_measure_stops_where_a_tree_cannot_pay(monkeypatch):
-    """A fake clock (no wall-clock dependence): verify costs T seconds for T nodes, so the
-    measuring stops at the first size dearer than depth + 1 = 5 plain steps (6 nodes), and
-    verify() extrapolates."""
+    """A fake clock (no wall-clock dependence) and an engine's own target forward (an engine
+    hosting the drafter, as vLLM's: no specdec model): verify costs T seconds for T nodes, so
+    the measuring stops at the first size dearer than depth + 1 = 5 plain steps (6 nodes),
+    at every measured batch size, and verify() extrapolates."""
     import specdec.speculation.cost_model as cost_model_module
 
     def fake_median_time(fn, repeats, device):
-        first = fn.__defaults__[0]  # verify binds its tokens [B, T], a draft its levels
-        return float(first.shape[1]) if isinstance(first, torch.Tensor) else 0.5
+        return float(fn.nodes) if hasattr(fn, "nodes") else 0.5  # a draft: 0.5 s
+
+    calls = []
+
+    def target_forward(B, T):
+        calls.append((B, T))
+
+        def forward():
+            pass
+
+        forward.nodes = T
+        return forward
 
     monkeypatch.setattr(cost_model_module, "median_time", fake_median_time)
-    model = tiny_model()
-    cost = CostModel.measure(model, EagleHead.random(model, seed=0), SPEC, batch_size=2, repeats=1)
+    head = EagleHead.random(tiny_model(), seed=0)
+    cost = CostModel.measure(
+        None, head, SPEC, batch_size=2, repeats=1, target_forward=target_forward
+    )
     assert cost.verify_tokens == [1, 2, 3, 4, 5, 6]
     assert cost.verify_s == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert cost.verify(10) == pytest.approx(10.0) and cost.draft_s == [0.5] * SPEC.depth
+    assert calls == [(2, T) for T in range(1, 7)] + [(1, T) for T in range(1, 7)]
+    assert cost.verify(10, batch=1) == pytest.approx(10.0)
 
 
 def test_policy_sizes_the_tree_by_value_over_cost():

@@ -25,7 +25,7 @@ import torch
 
 if TYPE_CHECKING:
     from specdec.models.llama import Transformer
-    from specdec.speculation.cost_model import CostModel
+    from specdec.speculation.cost_model import CostModel, TargetForward
     from specdec.speculation.trees import BatchSampling, TreeSizer, TreeSpec
 
 
@@ -118,8 +118,16 @@ class Drafter(ABC):
         """KV positions per request of the drafter's own cache (for the engine's memory check)."""
         return 0
 
-    def measure_cost(self, model: "Transformer", tree: "TreeSpec", batch_size: int) -> "CostModel":
-        """Adaptive mode's cost model on this machine (only called when .adaptive)."""
+    def measure_cost(
+        self,
+        model: "Transformer",
+        tree: "TreeSpec",
+        batch_size: int,
+        target_forward: "TargetForward | None" = None,
+    ) -> "CostModel":
+        """Adaptive mode's cost model on this machine (only called when .adaptive).
+        target_forward: the verify forward the steps run, when not model's (CostModel.measure);
+        model is then the drafter's own copy (None for drafters without model calls)."""
         raise NotImplementedError(f"the {self.name} drafter has no adaptive mode")
 
     def modules(self) -> list[torch.nn.Module]:

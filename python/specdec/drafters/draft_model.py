@@ -230,11 +230,11 @@ class DraftModelDrafter(Drafter):
         # exact for self:N (same KV width), an estimate for another draft model.
         return (capacity + 1 + self.tree_nodes(tree)) * self.net.n_layers
 
-    def measure_cost(self, model, tree, batch_size: int) -> CostModel:
+    def measure_cost(self, model, tree, batch_size: int, target_forward=None) -> CostModel:
         """The target's verify costs (CostModel.measure) and, at each measured batch size,
         draft_s[l - 1]: seconds of a catch-up over two tokens (a typical accepted step's
         bonus token and one more) plus l levels of dynamic drafting with the draft model."""
-        cost = CostModel.measure(model, None, tree, batch_size)
+        cost = CostModel.measure(model, None, tree, batch_size, target_forward=target_forward)
         cost.draft_s = self._draft_seconds(tree, batch_size)
         for other in cost.others:
             other["draft_s"] = self._draft_seconds(tree, other["batch_size"], repeats=1)

@@ -57,8 +57,8 @@ class EagleDrafter(Drafter):
         # plus the head's scratch draft tree past its last committed position
         return capacity + max(tree.num_nodes, tree.head_nodes)
 
-    def measure_cost(self, model, tree, batch_size: int) -> CostModel:
-        return CostModel.measure(model, self.head, tree, batch_size)
+    def measure_cost(self, model, tree, batch_size: int, target_forward=None) -> CostModel:
+        return CostModel.measure(model, self.head, tree, batch_size, target_forward=target_forward)
 
     def setup(self, setup) -> None:
         head = self.head

@@ -92,11 +92,11 @@ class MedusaDrafter(Drafter):
                 f"heads have {self.heads.num_heads}"
             )
 
-    def measure_cost(self, model, tree, batch_size: int) -> CostModel:
+    def measure_cost(self, model, tree, batch_size: int, target_forward=None) -> CostModel:
         """Verify costs as CostModel.measure times them (no draft model: draft_s zero), then
         draft_s filled with the time of one heads pass (all levels at once: the same for any
         depth) at each measured batch size."""
-        cost = CostModel.measure(model, None, tree, batch_size)
+        cost = CostModel.measure(model, None, tree, batch_size, target_forward=target_forward)
         depth, topk, _ = self._shape(tree)
         cost.draft_s = [self._time_heads(batch_size, depth, topk)] * tree.depth
         for other in cost.others:

@@ -106,8 +106,9 @@ class MergedDrafter(Drafter):
     def cache_positions(self, tree, capacity: int) -> int:
         return self.eagle.cache_positions(tree, capacity)
 
-    def measure_cost(self, model, tree, batch_size: int):
-        return self.eagle.measure_cost(model, tree, batch_size)  # n-gram lookup costs ~0
+    def measure_cost(self, model, tree, batch_size: int, target_forward=None):
+        # n-gram lookup costs ~0
+        return self.eagle.measure_cost(model, tree, batch_size, target_forward)
 
     def setup(self, setup) -> None:
         self.tree, self.device = setup.tree, setup.device

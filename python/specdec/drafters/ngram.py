@@ -42,8 +42,8 @@ class NgramDrafter(Drafter):
             raise InvalidRequestError(f"ngram min_n ({min_n}) must be <= max_n ({max_n})")
         self.max_n, self.min_n = max_n, min_n
 
-    def measure_cost(self, model, tree, batch_size: int) -> CostModel:
-        return CostModel.measure(model, None, tree, batch_size)
+    def measure_cost(self, model, tree, batch_size: int, target_forward=None) -> CostModel:
+        return CostModel.measure(model, None, tree, batch_size, target_forward=target_forward)
 
     def setup(self, setup) -> None:
         self.tree, self.device = setup.tree, setup.device

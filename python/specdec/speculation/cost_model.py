@@ -6,6 +6,7 @@ describes. The adaptive policy (specdec.speculation.policy) and the drafters' ow
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,11 @@ from specdec.speculation.trees import TreeSpec, draft_dynamic
 # 4th ~+25%); interpolated between 2 and 4, a 3-node tree was priced ~2.3 ms (14%) too dear
 # and adaptive mode verified 2 nodes where 3 paid (docs/adaptive.md)
 EVERY_SIZE_UP_TO = 8
+
+# target_forward(B, T) -> a call running one target forward over B requests' trees of T nodes
+# (their logits included): what CostModel.measure times for the verify costs when the forward
+# the steps run is not specdec's model (an engine hosting the drafters, e.g. vLLM's)
+TargetForward = Callable[[int, int], Callable[[], object]]
 
 
 @dataclass
@@ -86,18 +92,21 @@ class CostModel:
         context: int = 128,
         repeats: int = 3,
         batch_sizes=None,
+        target_forward: TargetForward | None = None,
     ) -> "CostModel":
         """The costs at batch_size, with .others at batch_sizes (default: 1 and, from 8 on,
         about half of batch_size; the policy interpolates between them for the live
         occupancy). Each is measured by _measure_one, the others with one timed call per
-        size (after a warm-up call) to keep the engine's start-up short."""
+        size (after a warm-up call) to keep the engine's start-up short. target_forward: the
+        verify forward to time (default: `model`'s over a scratch cache; model may then be
+        None when head is)."""
         if batch_sizes is None:
             batch_sizes = {1} | ({1 << (batch_size.bit_length() - 2)} if batch_size >= 8 else set())
-        main = cls._measure_one(model, head, spec, batch_size, context, repeats)
+        main = cls._measure_one(model, head, spec, batch_size, context, repeats, target_forward)
         for b in sorted(
             set(batch_sizes) - {batch_size}
         ):  # one timed call each: start-up stays short
-            c = cls._measure_one(model, head, spec, b, context, 1)
+            c = cls._measure_one(model, head, spec, b, context, 1, target_forward)
             main.others.append(
                 dict(
                     batch_size=b,
@@ -112,20 +121,30 @@ class CostModel:
     @classmethod
     @torch.inference_mode()
     def _measure_one(
-        cls, model, head, spec, batch_size: int, context: int = 128, repeats: int = 3
+        cls,
+        model,
+        head,
+        spec,
+        batch_size: int,
+        context: int = 128,
+        repeats: int = 3,
+        target_forward: TargetForward | None = None,
     ) -> "CostModel":
         """Times the target over trees of 1, 2, 3, ... EVERY_SIZE_UP_TO, then 16, 32, ...
         spec.total nodes and the drafter over 1 .. spec.depth levels, at batch_size requests
         of `context` cached tokens (scratch caches; the cache contents do not change the
         time). Sizes whose verify costs more than depth + 1 plain steps can never pay (a step
         yields at most depth + 1 tokens), so measuring stops there and verify() extrapolates.
-        head None: a drafter that costs no model call (n-gram lookup), draft_s is all zeros."""
-        dev = model.tok_embeddings.weight.device
+        head None: a drafter that costs no model call (n-gram lookup), draft_s is all zeros.
+        target_forward: the verify forward to time instead of model's (see measure)."""
         B = batch_size
+        if target_forward is None:
+            target_forward = _scratch_forward(model, head, B, context, spec.total)
+        if model is not None:
+            dev = model.tok_embeddings.weight.device
+        else:  # an engine's own forward: on the head's device, or the CPU for n-gram lookups
+            dev = head.fc.weight.device if head is not None else torch.device("cpu")
         slots = torch.arange(B, device=dev)
-        cache = model.new_cache(B, context + spec.total)
-        cache.cache_lens.fill_(context)
-        feature_layers = head.feature_layers if head is not None else ()
         sizes = sorted(
             {spec.total}
             | set(range(1, min(EVERY_SIZE_UP_TO, spec.total) + 1))
@@ -133,17 +152,7 @@ class CostModel:
         )
         verify_s = []
         for T in sizes:
-            tokens = torch.randint(0, model.args.vocab_size, (B, T), device=dev)
-            parents = (
-                torch.arange(-1, T - 1, dtype=torch.int32, device=dev).expand(B, T).contiguous()
-            )
-            num_nodes = torch.full((B,), T, dtype=torch.int32, device=dev)
-
-            def verify(tokens=tokens, parents=parents, num_nodes=num_nodes):  # bound now, not late
-                mask, depth = ops.build_tree_mask(parents, num_nodes)
-                model(tokens, cache, slots, num_nodes, mask, depth, feature_layers)
-
-            verify_s.append(median_time(verify, repeats, dev))
+            verify_s.append(median_time(target_forward(B, T), repeats, dev))
             if verify_s[-1] > (spec.depth + 1) * verify_s[0]:
                 break
 
@@ -152,7 +161,7 @@ class CostModel:
             return cls(B, timed, cost_curve(timed, verify_s), [0.0] * spec.depth)
         head_cache = head.new_cache(B, context + spec.head_nodes)
         head_cache.cache_lens.fill_(context)
-        hidden = torch.randn(B, model.args.dim, device=dev, dtype=head.fc.weight.dtype)
+        hidden = torch.randn(B, head.args.dim, device=dev, dtype=head.fc.weight.dtype)
         roots = torch.zeros(B, dtype=torch.long, device=dev)
 
         def draft_s(width: int) -> list:  # levels past the first expand `width` nodes
@@ -183,6 +192,30 @@ class CostModel:
             draft_s(spec.topk),
             draft_narrow_s=draft_s(1) if spec.topk > 1 and spec.depth > 1 else [],
         )
+
+
+def _scratch_forward(model, head, B: int, context: int, capacity: int) -> TargetForward:
+    """model's verify forward over chains of T nodes behind `context` cached tokens of a
+    scratch cache (its contents do not change the time), feeding the head's feature layers."""
+    dev = model.tok_embeddings.weight.device
+    slots = torch.arange(B, device=dev)
+    cache = model.new_cache(B, context + capacity)
+    cache.cache_lens.fill_(context)
+    feature_layers = head.feature_layers if head is not None else ()
+
+    def forward(batch: int, T: int):
+        assert batch == B, "a scratch forward runs the batch its cache was made for"
+        tokens = torch.randint(0, model.args.vocab_size, (B, T), device=dev)
+        parents = torch.arange(-1, T - 1, dtype=torch.int32, device=dev).expand(B, T).contiguous()
+        num_nodes = torch.full((B,), T, dtype=torch.int32, device=dev)
+
+        def verify():
+            mask, depth = ops.build_tree_mask(parents, num_nodes)
+            model(tokens, cache, slots, num_nodes, mask, depth, feature_layers)
+
+        return verify
+
+    return forward
 
 
 def cost_curve(xs: list, ys: list) -> list:

@@ -22,10 +22,14 @@ which costs acceptance, never exactness (any tree is verified by tree_rejection_
 Drafts are deterministic (greedy drafting, point masses), so sampled requests stay exact too.
 
 Adaptive trees (tree spec "adaptive[:D,K,N]") size every step with specdec's Policy: its cost
-model is measured on specdec's own forward of the same checkpoint at start-up, at batch 1 and
-up to the engine's max_num_seqs (POLICY_MAX_BATCH at most), priced at each step's live
-occupancy and calibrated by the measured wall time of vLLM's steps (Policy.observe_time), and
-a step the policy finds not worth speculating drafts nothing (vLLM then runs a plain step).
+model times vLLM's own forward (`vllm_target_forward`: the target model over B x T tokens and
+their logits, as vLLM's profiling runs it) and the drafter at start-up, at batch 1 and up to the
+engine's max_num_seqs (POLICY_MAX_BATCH at most), priced at each step's live occupancy and
+calibrated by the measured wall time of vLLM's steps (Policy.observe_time), and a step the
+policy finds not worth speculating drafts nothing (vLLM then runs a plain step). With tensor or
+pipeline parallelism the verify costs are timed on specdec's forward of the same checkpoint
+instead (each rank times on its own; vLLM's forward is collective, and ranks whose timings
+stopped at different tree sizes would wait on each other).
 """
 
 import time
@@ -38,6 +42,7 @@ import specdec_kernels.ops as ops
 from specdec.drafters.base import Proposal, Setup, StepResult
 from specdec.integrations.vllm.options import specdec_options
 from specdec.models.loader import resolve_dtype
+from specdec.speculation.cost_model import TargetForward
 from specdec.speculation.trees import BatchSampling, TreeSpec
 
 MAX_SLOTS = 64  # drafter slots (head caches) at most; requests past them draft nothing
@@ -82,6 +87,9 @@ class DrafterProposer:
         # their precision changes acceptance only (docs/integration.md, "Trees inside vLLM")
         self.draft_dtype = resolve_dtype(options.get("draft_dtype", "auto"), torch.device("cpu"))
         self.target_dtype = vllm_config.model_config.dtype  # vLLM's forward, the cost model's
+        self.vllm_config = vllm_config
+        parallel = vllm_config.parallel_config
+        self.single_process = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
         self.drafter = None
         self.policy = None
         self.feature_layers: tuple = ()  # target layers whose outputs the drafter reads
@@ -98,14 +106,23 @@ class DrafterProposer:
     def load_model(self, target_model) -> None:
         """Builds the drafter (its own copy of the target's embeddings and output for the
         heads: specdec's model of the same checkpoint, in draft_dtype), its slots and, for
-        adaptive trees, the policy with its measured cost model (the verify costs timed on a
-        copy in vLLM's dtype, the forward they price; the drafts by the drafter as it runs)."""
+        adaptive trees, the policy with its measured cost model (the verify costs timed on
+        vLLM's forward of target_model, the drafts by the drafter as it runs; see the module
+        docstring for tensor parallelism)."""
         from specdec.drafters.choice import DrafterChoice
         from specdec.models.loader import load_model
 
         adaptive = self.tree.kind == "adaptive"
+        # the verify costs' forward: vLLM's (None: a copy of the target in vLLM's dtype)
+        target_forward = (
+            vllm_target_forward(
+                self.vllm_config, target_model, self.vllm_config.model_config.get_vocab_size()
+            )
+            if adaptive and self.single_process
+            else None
+        )
         model = draft_model = None
-        if adaptive:
+        if adaptive and target_forward is None:
             model, _ = load_model(self.model_path, dtype=self.target_dtype)
         if self.method != "ngram":
             draft_model = model
@@ -127,7 +144,8 @@ class DrafterProposer:
             from specdec.speculation.policy import Policy
 
             batch = min(self.num_slots, POLICY_MAX_BATCH)
-            cost = drafter.measure_cost(model, self.tree, batch)
+            cost_model = draft_model if target_forward is not None else model
+            cost = drafter.measure_cost(cost_model, self.tree, batch, target_forward)
             self.policy = Policy(cost, self.tree, calibrate=True)
 
     def vllm_aux_layers(self) -> tuple:
@@ -331,6 +349,37 @@ class DrafterProposer:
             nodes = policy.step_nodes(proposal.num_nodes, proposal.tokens.shape[1])
             policy.observe_time(seconds, self._speculative, policy.levels, nodes)
             self._step_start = None
+
+
+def vllm_target_forward(
+    vllm_config, target_model, vocab_size: int, context: int = 128
+) -> TargetForward:
+    """A CostModel target_forward running vLLM's forward: target_model over B x T tokens (of
+    [0, vocab_size), T positions from `context` per request) and their logits, which a tree
+    step computes at
+    every scheduled token. Without attention metadata, as vLLM's own profiling runs its model
+    (no KV cache read or written): the linears and the logits, which is where a step's cost
+    grows with its tokens; the attention's share is left to the policy's calibration by the
+    steps' measured times."""
+    from vllm.forward_context import set_forward_context
+
+    dev = next(target_model.parameters()).device
+
+    def forward(B: int, T: int):
+        n = B * T
+        input_ids = torch.randint(0, vocab_size, (n,), device=dev)
+        positions = (context + torch.arange(T, device=dev)).repeat(B)
+
+        @torch.inference_mode()
+        def run():
+            with set_forward_context(None, vllm_config, num_tokens=n):
+                out = target_model(input_ids=input_ids, positions=positions)
+            hidden = out[0] if isinstance(out, tuple) else out  # (hidden, aux) for EAGLE-3
+            return target_model.compute_logits(hidden)
+
+        return run
+
+    return forward
 
 
 @dataclass
