@@ -46,6 +46,12 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-specdec", action="store_true", help="skip specdec's own engine rows")
     p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="vLLM's engine core and worker in the row's process (VLLM_ENABLE_V1_MULTIPROCESSING"
+        "=0), not in processes of their own",
+    )
     p.add_argument("--output", default="benchmarks/out/vllm_trees.json")
     args = p.parse_args(argv)
 
@@ -67,6 +73,7 @@ def main(argv=None) -> None:
         "eos": sorted(tok.eos_token_ids),
         "seed": 0,
         "enforce_eager": True,
+        "in_process": args.in_process,
     }
     results, plain = [], None
     chosen = rows(args.nodes)

@@ -206,7 +206,10 @@ def _child_env() -> dict:
 def run_engine_process(setting: dict) -> dict:
     """run_engine(setting) in a child process (OMP_NUM_THREADS = setting["threads"]) -> its
     result, with "specdec_sampler": whether a worker logged that it samples through specdec's
-    op; a failed child is a RuntimeError carrying the end of its log."""
+    op; a failed child is a RuntimeError carrying the end of its log. setting["in_process"]:
+    vLLM's engine core and worker in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0), not in
+    processes of their own (docs/benchmarks.md "Trees inside vLLM": on 2 vCPUs the engine
+    core's wait for its worker keeps a core busy)."""
     setting = dict(setting, model_dir=os.path.abspath(setting["model_dir"]))
     spec = setting.get("speculative_config")
     if spec and "model" in spec and os.path.exists(spec["model"]):
@@ -216,6 +219,8 @@ def run_engine_process(setting: dict) -> dict:
         with open(row, "w") as f:
             json.dump(setting, f)
         env = {**_child_env(), "OMP_NUM_THREADS": str(setting["threads"])}
+        if setting.get("in_process"):
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with open(log, "w") as f:
             proc = subprocess.run(
                 [sys.executable, "-m", __name__, "engine", row, out],
