@@ -356,11 +356,10 @@ def vllm_target_forward(
 ) -> TargetForward:
     """A CostModel target_forward running vLLM's forward: target_model over B x T tokens (of
     [0, vocab_size), T positions from `context` per request) and their logits, which a tree
-    step computes at
-    every scheduled token. Without attention metadata, as vLLM's own profiling runs its model
-    (no KV cache read or written): the linears and the logits, which is where a step's cost
-    grows with its tokens; the attention's share is left to the policy's calibration by the
-    steps' measured times."""
+    step computes at every scheduled token. Without attention metadata, as vLLM's own
+    profiling runs its model (no KV cache read or written): the linears and the logits, which
+    is where a step's cost grows with its tokens; the attention's share is left to the
+    policy's calibration by the steps' measured times."""
     from vllm.forward_context import set_forward_context
 
     dev = next(target_model.parameters()).device
