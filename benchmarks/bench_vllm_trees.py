@@ -9,10 +9,15 @@ Trees inside vLLM).
 
     .venv/bin/python benchmarks/bench_vllm_trees.py --num-prompts 12 --max-new-tokens 64 \
         --concurrency 32 --output benchmarks/out/vllm_trees.json
+
+--repeats N runs the rows N times, interleaved (plain, chain, trees, plain, ...), and prints each
+row's median: with vLLM's default processes on a 2-vCPU host one run's figures move by up to
+a third (docs/benchmarks.md, Trees inside vLLM).
 """
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +57,9 @@ def main(argv=None) -> None:
         help="vLLM's engine core and worker in the row's process (VLLM_ENABLE_V1_MULTIPROCESSING"
         "=0), not in processes of their own",
     )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of every row, interleaved; medians printed"
+    )
     p.add_argument("--output", default="benchmarks/out/vllm_trees.json")
     args = p.parse_args(argv)
 
@@ -83,28 +91,50 @@ def main(argv=None) -> None:
         if unknown:
             p.error(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(chosen)}")
         chosen = {n: chosen[n] for n in chosen if n in wanted or n == "vllm_plain"}
-    for name, spec in chosen.items():
-        out = run_engine_process({**setting, "speculative_config": spec})
-        if plain is None:
-            plain = out
-        for mode in ("batch1", "concurrent"):
-            if out[mode] is None:  # --concurrency 0: batch 1 only
-                continue
-            row = dict(out[mode])
-            outputs = row.pop("outputs")
-            row["same_tokens_as_plain"] = sum(
-                a == b for a, b in zip(outputs, plain[mode]["outputs"])
-            ) / len(outputs)
-            results.append({"row": name, "mode": mode, **row})
-            print(
-                f"{name:24s} {mode:10s} {row['tokens_per_s']:8.2f} tok/s "
-                f"{row['tokens_per_forward']:.3f} tok/fwd same={row['same_tokens_as_plain']:.2f}",
-                flush=True,
-            )
-        write_json(args.output, results, {k: v for k, v in setting.items() if k != "prompt_ids"})
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    meta = {**{k: v for k, v in setting.items() if k != "prompt_ids"}, "repeats": args.repeats}
+    for repeat in range(args.repeats):
+        for name, spec in chosen.items():
+            out = run_engine_process({**setting, "speculative_config": spec})
+            if plain is None:
+                plain = out
+            for mode in ("batch1", "concurrent"):
+                if out[mode] is None:  # --concurrency 0: batch 1 only
+                    continue
+                row = dict(out[mode])
+                outputs = row.pop("outputs")
+                row["same_tokens_as_plain"] = sum(
+                    a == b for a, b in zip(outputs, plain[mode]["outputs"])
+                ) / len(outputs)
+                results.append({"row": name, "mode": mode, "repeat": repeat, **row})
+                print(
+                    f"{name:24s} {mode:10s} {row['tokens_per_s']:8.2f} tok/s "
+                    f"{row['tokens_per_forward']:.3f} tok/fwd "
+                    f"same={row['same_tokens_as_plain']:.2f}",
+                    flush=True,
+                )
+            write_json(args.output, results, meta)
+    if args.repeats > 1:
+        print_medians(results)
     if not args.no_specdec:
         results += specdec_rows(args, prompts)
-        write_json(args.output, results, {k: v for k, v in setting.items() if k != "prompt_ids"})
+        write_json(args.output, results, meta)
+
+
+def print_medians(results: list) -> None:
+    """Each (row, mode)'s median tokens/s over its repeats, and its ratio to vLLM plain's."""
+    runs: dict = {}
+    for r in results:
+        if "repeat" in r:
+            runs.setdefault((r["row"], r["mode"]), []).append(r["tokens_per_s"])
+    medians = {key: statistics.median(v) for key, v in runs.items()}
+    print("median over repeats:")
+    for (name, mode), median in medians.items():
+        plain = medians.get(("vllm_plain", mode))
+        ratio = f"{median / plain:5.2f}x plain" if plain else ""
+        spread = ", ".join(f"{t:.2f}" for t in runs[(name, mode)])
+        print(f"{name:24s} {mode:10s} {median:8.2f} tok/s {ratio}  ({spread})", flush=True)
 
 
 def specdec_rows(args, prompts) -> list:
